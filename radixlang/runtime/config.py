@@ -1,0 +1,143 @@
+"""ServerArgs: the one configuration dataclass. The CLI is generated from its fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    # model
+    model_path: str | None = _f(None, "HF folder, GGUF file, or config folder (with --load-format dummy); "
+                                      "absent: the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _f(None, "tokenizer folder; defaults to the model's")
+    load_format: str = _f("auto", "how to read weights", ("auto", "safetensors", "gguf", "dummy"))
+    served_model_name: str | None = _f(None, "model name reported by the API; defaults to the model path")
+    context_length: int | None = _f(None, "max tokens per request (prompt + output); defaults to the model's")
+    dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA",
+                    ("auto", "float32", "float16", "bfloat16"))
+    device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    random_seed: int = _f(0, "seed for random weights and default sampling")
+    num_threads: int | None = _f(None, "torch CPU threads; defaults to the cores available")
+    # memory and scheduling
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens; defaults from mem_fraction_static")
+    mem_fraction_static: float = _f(0.15, "fraction of free memory for the KV pool when max_total_tokens is unset")
+    max_running_requests: int = _f(256, "max requests decoding at once")
+    max_prefill_tokens: int = _f(8192, "max new prompt tokens in one prefill batch")
+    chunked_prefill_size: int = _f(2048, "split prompts longer than this into chunks (-1 disables)")
+    schedule_policy: str = _f("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
+    disable_radix_cache: bool = _f(False, "turn off prefix sharing across requests")
+    page_size: int = _f(1, "tokens per KV page")
+    # constrained decoding
+    grammar_backend: str = _f("outlines", "grammar engine for regex / JSON schema", ("outlines", "xgrammar", "llguidance"))
+    disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
+    constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output")
+    grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
+    # kernels
+    attention_backend: str = _f("auto", "attention kernels", ("auto", "torch", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA")
+    cuda_graph_max_bs: int = _f(160, "largest decode batch captured as a CUDA graph")
+    # server
+    host: str = _f("127.0.0.1", "HTTP bind address")
+    port: int = _f(30000, "HTTP port")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    enable_metrics: bool = _f(True, "expose Prometheus /metrics")
+    max_request_body_bytes: int = _f(16 * 1024 * 1024, "reject larger request bodies with 413")
+    log_level: str = _f("info", "logging level", ("debug", "info", "warning", "error"))
+    log_requests: bool = _f(False, "log every request's inputs and outputs")
+    # scale out
+    tp_size: int = _f(1, "tensor-parallel ranks")
+    dp_size: int = _f(1, "data-parallel replicas")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
+
+    def resolve(self) -> ServerArgs:
+        """Resolve every "auto" once and log the choice."""
+        import torch  # runtime-only dependency
+
+        changes: dict[str, Any] = {}
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            changes["device"] = device
+        if self.dtype == "auto":
+            changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
+        if self.attention_backend == "auto":
+            changes["attention_backend"] = _pick_attention_backend(device)
+        if self.num_threads is None and device == "cpu":
+            changes["num_threads"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if changes:
+            logger.info("resolved: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- CLI generated from the fields -------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            help_text = f.metadata.get("help", "")
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            else:
+                parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                                    help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint: Any) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
+def _pick_attention_backend(device: str) -> str:
+    if device != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+        return "flashinfer"
+    except ImportError:
+        pass
+    try:
+        import triton  # noqa: F401
+        return "triton"
+    except ImportError:
+        return "torch"

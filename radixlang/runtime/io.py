@@ -1,0 +1,119 @@
+"""Plain request/response structs shared by the server, the Engine and the Scheduler.
+
+Every struct is a dataclass of JSON-able fields, so one codec (``encode`` /
+``decode``: orjson with a type tag, no pickle) carries them over ZMQ.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass(kw_only=True)
+class TokenizedGenerateReq:
+    """One generation request, tokenized, as the scheduler receives it (n already expanded)."""
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict(); the scheduler rebuilds it
+    input_text: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no input logprobs; k: logprobs of input tokens k.. (k>=1 scored)
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass(kw_only=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(kw_only=True)
+class FlushCacheReq:
+    pass
+
+
+@dataclass(kw_only=True)
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class GetInternalStateReq:
+    pass
+
+
+@dataclass(kw_only=True)
+class GetInternalStateOut:
+    state: dict[str, Any]
+
+
+@dataclass(kw_only=True)
+class BatchTokenIDOut:
+    """Scheduler -> detokenizer: for each request that produced something this step.
+
+    ``output_ids[i]`` are the token ids new since the previous message for that rid;
+    ``finished_reasons[i]`` is None while the request runs, else SGLang's shape
+    ``{"type": "length"|"stop"|"abort", "matched": int|str|None, ...}``.
+    Logprob lists follow the same "new since last message" rule.
+    """
+    rids: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # sampling options the detokenizer needs (sent on every message; small)
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]
+    # logprobs: per request None or [(logprob, token_id), ...] and top-k lists
+    output_token_logprobs: list[list[list[float | int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[list[float | int]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[list[float | int | None]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[list[float | int]] | None] | None] = field(default_factory=list)
+    extra_meta: list[dict[str, Any]] = field(default_factory=list)  # e.g. jump_forward_tokens
+
+
+@dataclass(kw_only=True)
+class BatchStrOut:
+    """Detokenizer -> tokenizer manager: text deltas plus the ids and meta of BatchTokenIDOut."""
+    rids: list[str]
+    text_deltas: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[Any] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    input_token_logprobs: list[Any] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    extra_meta: list[dict[str, Any]] = field(default_factory=list)
+
+
+_MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, GetInternalStateReq,
+                GetInternalStateOut, BatchTokenIDOut, BatchStrOut)
+}
+
+
+def encode(msg: Any) -> bytes:
+    """Serialize one struct with its type tag (orjson; never pickle)."""
+    name = type(msg).__name__
+    assert name in _MESSAGE_TYPES, f"not a message type: {name}"
+    return orjson.dumps({"t": name, "d": dataclasses.asdict(msg)})
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of ``encode``; refuses unknown type tags."""
+    obj = orjson.loads(data)
+    cls = _MESSAGE_TYPES.get(obj.get("t")) if isinstance(obj, dict) else None
+    if cls is None:
+        raise ValueError("unknown message type on the wire")
+    return cls(**obj["d"])

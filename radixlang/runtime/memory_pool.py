@@ -1,0 +1,100 @@
+"""KV memory: ReqToTokenPool (request slot -> row of KV slot indices) and TokenToKVPool.
+
+Token-granular and paged only logically: any free slot can hold any token.
+Slot 0 of the KV pool is a reserved dummy (padding target), never handed out.
+The scheduler owns both pools; attention backends only read and write slots.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        # [size, max_context_len] int32: KV slot of each token of each running request
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self._free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free_slots)
+
+    def alloc(self, need: int = 1) -> list[int] | None:
+        if need > len(self._free_slots):
+            return None
+        taken, self._free_slots = self._free_slots[:need], self._free_slots[need:]
+        return taken
+
+    def free(self, index: int) -> None:
+        assert 0 <= index < self.size and index not in self._free_slots, f"double free of req slot {index}"
+        self._free_slots.append(index)
+
+    def clear(self) -> None:
+        self._free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    def __init__(self, size: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        # per layer [size + 1, num_kv_heads, head_dim]; slot 0 is the dummy slot
+        self.k_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self._free = torch.ones(size + 1, dtype=torch.bool)  # host-side free map
+        self._free[0] = False
+        self._free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+        self._num_free = size
+
+    def available_size(self) -> int:
+        return self._num_free
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """Return `need` free slot indices (int64, host) or None when the pool is short."""
+        if need > self._num_free:
+            return None
+        if need == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if self._free_slots.numel() < need:
+            self._free_slots = torch.nonzero(self._free).flatten()
+        out = self._free_slots[:need]
+        self._free_slots = self._free_slots[need:]
+        self._free[out] = False
+        self._num_free -= need
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel() == 0:
+            return
+        indices = indices.to(torch.int64).cpu()
+        assert not bool(self._free[indices].any()), "double free of KV slots"
+        assert bool((indices > 0).all()), "the dummy slot 0 is never freed"
+        self._free[indices] = True
+        self._free_slots = torch.cat([self._free_slots, indices])
+        self._num_free += indices.numel()
+
+    def clear(self) -> None:
+        self._free.fill_(True)
+        self._free[0] = False
+        self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._num_free = self.size
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc [n] int64; k, v [n, num_kv_heads, head_dim]
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
