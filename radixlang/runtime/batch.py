@@ -1,0 +1,81 @@
+"""Req (one request's state) and ScheduleBatch (what the scheduler runs in one step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlang.kernels.attention.base import ForwardMode
+from radixlang.runtime.sampling_params import SamplingParams
+
+
+@dataclass(eq=False, kw_only=True)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None  # radix node locked for this request
+    kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
+    # output state
+    finished_reason: dict[str, Any] | None = None
+    sent_output_len: int = 0  # output ids already sent to the detokenizer
+    output_token_logprobs: list[list[float | int]] = field(default_factory=list)
+    output_top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
+    input_token_logprobs: list[list[float | int | None]] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    sent_input_logprobs: bool = False
+    generator_steps: int = 0
+    grammar: Any = None
+    grammar_future: Any = None
+    jump_forward_tokens: int = 0
+    is_retracted: bool = False
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def input_logprob_start(self) -> int:
+        """First prompt position reported in input_token_logprobs (-1 -> the last prompt token)."""
+        if not self.return_logprob:
+            return self.prompt_len
+        start = self.logprob_start_len
+        return self.prompt_len - 1 if start < 0 else min(start, self.prompt_len - 1)
+
+
+@dataclass(eq=False, kw_only=True)
+class ScheduleBatch:
+    """The requests of one forward pass and, for EXTEND, how many tokens each appends."""
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens per request
+    prefix_lens: list[int]  # tokens already in the pool per request
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64
+    sample_mask: list[bool]  # False for a non-final prefill chunk: no token is sampled
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)

