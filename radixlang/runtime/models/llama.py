@@ -24,9 +24,11 @@ class RMSNorm(nn.Module):
 
 
 def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
-    theta = float(getattr(config, "rope_theta", None) or 10000.0)
+    # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs use the flat fields
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    scaling = getattr(config, "rope_scaling", None) or {}
+    scaling = params or getattr(config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in ("default", None):
         return inv_freq

@@ -1,0 +1,85 @@
+"""Our model's logits against transformers' on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from radixlang.kernels.attention.base import ForwardMode
+from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+from radixlang.runtime.forward_batch import ForwardBatch
+from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.models.llama import LlamaForCausalLM
+from radixlang.runtime.models.loader import load_model
+from tiny_model import make_tiny_model_dir
+
+
+def _run_ours(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """One EXTEND pass over the whole prompt through the paged pool; logits of every position."""
+    n = len(ids)
+    pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
+                         head_dim=model.head_dim, dtype=torch.float32, device="cpu")
+    reqs = ReqToTokenPool(2, n + 4, "cpu")
+    loc = pool.alloc(n)
+    reqs.req_to_token[0, :n] = loc.to(torch.int32)
+    backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
+    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor(ids),
+                      positions=torch.arange(n), req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([n]),
+                      seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n], out_cache_loc=loc,
+                      req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
+    backend.init_forward_metadata(fb)
+    return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+
+def _hf_logits(folder: str, ids: list[int], state_dict=None) -> torch.Tensor:
+    if state_dict is None:
+        hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), torch_dtype=torch.float32)
+        hf.load_state_dict(state_dict, strict=False)
+        hf.tie_weights()
+    hf.eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _ours_to_hf_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        key = "model." + name if not name.startswith("lm_head") else name
+        if ".qkv_proj." in name:
+            q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+            for part, sl in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, None))):
+                out[key.replace("qkv_proj", part)] = p.data[sl]
+        elif ".gate_up_proj." in name:
+            inter = model.config.intermediate_size
+            out[key.replace("gate_up_proj", "gate_proj")] = p.data[:inter]
+            out[key.replace("gate_up_proj", "up_proj")] = p.data[inter:]
+        else:
+            out[key] = p.data
+    return out
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", True), ("llama", False), ("qwen2", False)])
+def test_tiny_random_matches_transformers(tmp_path, model_type, tie):
+    folder = make_tiny_model_dir(str(tmp_path), model_type=model_type, tie=tie, kv_heads=2, heads=4)
+    loaded = load_model(folder, load_format="dummy", seed=3)
+    state = _ours_to_hf_state(loaded.model)
+    if model_type == "qwen2":  # random biases, so the bias path is exercised
+        for k in [k for k in state if k.endswith("_proj.bias")]:
+            state[k] = torch.randn_like(state[k]) * 0.1
+        loaded.model.load_weights(state.items())
+    ids = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3]
+    ours = _run_ours(loaded.model, ids)
+    ref = _hf_logits(folder, ids, state_dict=state)
+    assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (ours - ref).abs().max()
+
+
+def test_smollm_gguf_matches_transformers(smollm_path):
+    loaded = load_model(None)
+    ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. In 1905, Einstein")
+    ours = _run_ours(loaded.model, ids)
+    ref = _hf_logits(smollm_path, ids)
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 1e-4, rel
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))

@@ -1,0 +1,35 @@
+"""Tiny random-weight models for tests: a config folder plus the embedded model's tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from radixlang.runtime.models.loader import resolve_model_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def smollm_dir() -> str:
+    """The converted SmolLM2-135M-Instruct folder (converted once, then cached)."""
+    return resolve_model_dir(None)
+
+
+def make_tiny_model_dir(path: str, *, num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                        model_type: str = "llama", tie: bool = True, max_pos: int = 2048) -> str:
+    os.makedirs(path, exist_ok=True)
+    src = smollm_dir()
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    config = {
+        "architectures": [arch], "model_type": model_type, "vocab_size": 49152, "hidden_size": hidden,
+        "intermediate_size": hidden * 2, "num_hidden_layers": num_layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0, "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
