@@ -19,6 +19,7 @@ from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.io import BatchTokenIDOut, FlushCacheOut, TokenizedGenerateReq
 from radixlang.runtime.model_runner import ModelRunner
 from radixlang.runtime.req_cache import NoReqCache
+from radixlang.runtime.tree_cache import TreeReqCache
 from radixlang.runtime.sampling import SamplingInfo, compute_logprobs, sample
 from radixlang.runtime.sampling_params import SamplingParams
 from radixlang.runtime.schedule_policy import order_waiting
@@ -366,11 +367,6 @@ class Scheduler:
 
 def _make_req_cache(args: ServerArgs, req_pool, kv_pool):
     if args.disable_radix_cache:
-        return NoReqCache(req_pool, kv_pool)
-    try:
-        from radixlang.runtime.tree_cache import TreeReqCache
-    except ImportError:
-        logger.warning("radix cache unavailable in this build; running without prefix sharing")
         return NoReqCache(req_pool, kv_pool)
     return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)
 

@@ -1,0 +1,70 @@
+"""The radix cache inside the scheduler: sharing, exact cached_tokens, eviction, flush."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixlang import Engine
+
+pytestmark = pytest.mark.e2e
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def _few_shot(n: int) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 49000) for _ in range(150)]
+    return prefix, [prefix + [rng.randrange(3, 49000) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+
+
+def test_cache_on_equals_off_and_counts(tiny_model_dir):
+    prefix, prompts = _few_shot(10)
+    kw = {"model_path": tiny_model_dir, "load_format": "dummy", "max_total_tokens": 8192}
+    with Engine(**kw, disable_radix_cache=True) as off:
+        ref = off.generate(input_ids=prompts, sampling_params=GREEDY)
+        off.check_memory_leak()
+    with Engine(**kw) as on:
+        first = on.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        rest = on.generate(input_ids=prompts[1:], sampling_params=GREEDY)
+        info = on.get_server_info()
+        on.check_memory_leak()
+        # multi-turn: the second turn reuses the whole first turn
+        turn1 = on.generate(input_ids=prompts[0] + [5, 6, 7], sampling_params=GREEDY)
+        turn2_ids = prompts[0] + [5, 6, 7] + turn1["output_ids"] + [8, 9]
+        turn2 = on.generate(input_ids=turn2_ids, sampling_params=GREEDY)
+        on.check_memory_leak()
+    assert [o["output_ids"] for o in [first] + rest] == [r["output_ids"] for r in ref]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert all(o["meta_info"]["cached_tokens"] >= len(prefix) for o in rest)
+    assert info["cache_hit_rate"] > 0.5
+    assert turn2["meta_info"]["cached_tokens"] >= len(prompts[0]) + 3 + len(turn1["output_ids"]) - 1
+
+
+def test_exact_cached_tokens_sequence(tiny_engine):
+    assert tiny_engine.flush_cache()
+    ids = list(range(100, 140))
+    seq = [tiny_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})["meta_info"]["cached_tokens"]
+           for _ in range(3)]
+    assert seq == [0, len(ids) - 1, len(ids) - 1]  # a match is capped at input_len - 1
+    lp = tiny_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                              logprob_start_len=10)
+    assert lp["meta_info"]["cached_tokens"] == 10
+
+
+def test_small_pool_evicts_and_finishes(tiny_model_dir):
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 49000) for _ in range(120)] for _ in range(10)]
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=512) as eng:
+        outs = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        info = eng.get_server_info()
+        eng.check_memory_leak()
+    assert all(len(o["output_ids"]) == 8 for o in outs)
+    assert info["memory"]["kv_cached_tokens"] <= 512
+
+
+def test_flush_refused_while_busy(tiny_engine):
+    it = tiny_engine.generate("busy", {"max_new_tokens": 64, "ignore_eos": True}, stream=True)
+    next(it)
+    assert tiny_engine.flush_cache() is False
+    list(it)
+    assert tiny_engine.flush_cache() is True
