@@ -1,0 +1,51 @@
+"""Shared helpers for the benchmarks: timing, the transformers baseline, result files."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t
+
+
+def load_hf(folder: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_generate(model, ids: list[int], new_tokens: int) -> int:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False)
+    return int(out.shape[1] - len(ids))
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 28, reps: int = 5) -> float:
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(dst.copy_, src)[1] for _ in range(reps))
+    return 2 * num_bytes / best / 1e9  # read + write
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads(),
+                        "torch": torch.__version__}, **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
