@@ -42,8 +42,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                          forward_batch.extend_seq_lens_cpu)):
             total = prefix_len + extend_len
             self._extend_kv_loc.append(rows[i, :total].to(torch.int64))
-            if extend_len == 1:
-                self._extend_masks.append(None)  # one query sees everything: no mask needed
+            if extend_len == 1 or prefix_len == 0:
+                # one query sees everything; a fresh prompt is plain causal (SDPA's fast path)
+                self._extend_masks.append(None)
             else:
                 q_pos = torch.arange(prefix_len, total, device=rows.device)[:, None]
                 k_pos = torch.arange(total, device=rows.device)[None, :]
@@ -63,7 +64,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             qi = q[start:start + extend_len].transpose(0, 1)  # [num_heads, extend_len, head_dim]
             ki = k_buf[loc].transpose(0, 1)  # [num_kv_heads, total, head_dim]
             vi = v_buf[loc].transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+            causal = mask is None and extend_len > 1
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=layer.scaling,
+                                                enable_gqa=gqa)
             out[start:start + extend_len] = oi.transpose(0, 1)
             start += extend_len
         return out
