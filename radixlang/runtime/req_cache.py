@@ -22,6 +22,12 @@ class NoReqCache:
     def match(self, req: Req, max_len: int) -> tuple[torch.Tensor, object]:
         return torch.empty(0, dtype=torch.int64), None
 
+    def prefix_len(self, req: Req) -> int:
+        return 0
+
+    def dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
+        return list(waiting)
+
     def lock(self, node: object) -> None:
         pass
 

@@ -10,10 +10,10 @@ LPM_MAX_QUEUE = 128  # beyond this, matching every waiting request each step cos
 
 def order_waiting(waiting: list[Req], policy: str, cache: Any) -> list[Req]:
     """Return the waiting requests in admission order (the list itself is not changed)."""
-    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or not hasattr(cache, "prefix_len"):
+    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: -cache.prefix_len(r))
+        return sorted(waiting, key=lambda r: -cache.prefix_len(r))  # stable: FCFS among equals
     if policy == "dfs-weight":
-        return cache.dfs_weight_order(waiting) if hasattr(cache, "dfs_weight_order") else list(waiting)
+        return cache.dfs_weight_order(waiting)
     raise ValueError(f"unknown schedule policy {policy!r}")

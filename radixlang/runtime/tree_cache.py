@@ -26,6 +26,29 @@ class TreeReqCache:
     def prefix_len(self, req: Req) -> int:
         return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).kv_indices.numel())
 
+    def dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
+        """SGLang's dfs-weight: walk the tree, heaviest subtree (most waiting requests) first."""
+        at: dict[int, list[Req]] = {}
+        nodes: dict[int, TreeNode] = {}
+        for req in waiting:
+            node = self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).last_node
+            at.setdefault(id(node), []).append(req)
+            nodes[id(node)] = node
+        weight: dict[int, int] = {}
+        for key, reqs in at.items():
+            node = nodes[key]
+            while node is not None:
+                weight[id(node)] = weight.get(id(node), 0) + len(reqs)
+                node = node.parent
+        order: list[Req] = []
+        stack = [self.tree.root]
+        while stack:
+            node = stack.pop()
+            order.extend(at.get(id(node), []))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
+        return order
+
     def lock(self, node: TreeNode | None) -> None:
         if node is not None:
             self.tree.inc_lock_ref(node)

@@ -68,3 +68,36 @@ def test_flush_refused_while_busy(tiny_engine):
     assert tiny_engine.flush_cache() is False
     list(it)
     assert tiny_engine.flush_cache() is True
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_policies_give_same_greedy_outputs(tiny_model_dir, policy):
+    prefix, prompts = _few_shot(6)
+    other = [[7] * 40 + p[-5:] for p in prompts[:3]]
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=4096,
+                schedule_policy=policy) as eng:
+        eng.generate(input_ids=prompts[0], sampling_params=GREEDY)  # warm the tree
+        outs = eng.generate(input_ids=prompts + other, sampling_params=GREEDY)
+        alone = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in prompts + other]
+        eng.check_memory_leak()
+    assert [o["output_ids"] for o in outs] == [a["output_ids"] for a in alone]
+
+
+def test_dfs_weight_orders_heaviest_subtree_first():
+    import torch
+
+    from radixlang.runtime.batch import Req
+    from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+    from radixlang.runtime.sampling_params import SamplingParams
+    from radixlang.runtime.tree_cache import TreeReqCache
+
+    cache = TreeReqCache(ReqToTokenPool(4, 64, "cpu"),
+                         TokenToKVPool(64, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                                       device="cpu"))
+    cache.tree.insert([1, 1, 1, 1], torch.arange(1, 5))
+    cache.tree.insert([2, 2, 2, 2], torch.arange(5, 9))
+    mk = lambda rid, ids: Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams())
+    waiting = [mk("a", [1, 1, 1, 1, 5]), mk("b", [2, 2, 2, 2, 6]), mk("c", [2, 2, 2, 2, 7]), mk("d", [9, 9])]
+    order = [r.rid for r in cache.dfs_weight_order(waiting)]
+    assert order[0] == "d" or order[:2] == ["b", "c"]
+    assert order.index("b") < order.index("a") and order.index("c") < order.index("a")
