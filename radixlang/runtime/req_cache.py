@@ -25,6 +25,9 @@ class NoReqCache:
     def prefix_len(self, req: Req) -> int:
         return 0
 
+    def should_defer(self, req: Req, batch: list[Req]) -> bool:
+        return False
+
     def dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
         return list(waiting)
 

@@ -126,6 +126,8 @@ class Scheduler:
         for req in candidates:
             if budget <= 0 or len(self.running) + len(reqs) >= self.runner.max_running:
                 break
+            if req.req_pool_idx is None and reqs and self.cache.should_defer(req, reqs):
+                continue  # its shared prefix is being computed in this batch: reuse it next step
             if req.req_pool_idx is None and not self._admit(req):
                 break
             remaining = req.seq_len - req.kv_len
@@ -288,8 +290,9 @@ class Scheduler:
                 req.input_top_logprobs.extend([list(p) for p in zip(vs, ids)] for vs, ids in zip(top.values, top.ids))
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
-        if self.chunked_req is not None and self.chunked_req in batch.reqs:
-            self.cache.cache_unfinished(self.chunked_req)  # its chunks become shareable before it finishes
+        # every prefilled prompt (and each chunk of a long one) becomes shareable before it finishes
+        for req in batch.reqs:
+            self.cache.cache_unfinished(req)
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         info = SamplingInfo(

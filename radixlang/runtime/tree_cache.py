@@ -26,6 +26,20 @@ class TreeReqCache:
     def prefix_len(self, req: Req) -> int:
         return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).kv_indices.numel())
 
+    def should_defer(self, req: Req, batch: list[Req], min_gain: int = 32) -> bool:
+        """True when a request already in this prefill batch will cache a longer prefix of req: wait a step."""
+        have = self.prefix_len(req)
+        ids = req.fill_ids
+        for other in batch:
+            o = other.fill_ids
+            n = min(len(ids), len(o)) - 1
+            i = have
+            while i < n and ids[i] == o[i]:
+                i += 1
+            if i >= have + min_gain:
+                return True
+        return False
+
     def dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
         """SGLang's dfs-weight: walk the tree, heaviest subtree (most waiting requests) first."""
         at: dict[int, list[Req]] = {}

@@ -101,3 +101,11 @@ def test_dfs_weight_orders_heaviest_subtree_first():
     order = [r.rid for r in cache.dfs_weight_order(waiting)]
     assert order[0] == "d" or order[:2] == ["b", "c"]
     assert order.index("b") < order.index("a") and order.index("c") < order.index("a")
+
+
+def test_shared_prefix_submitted_together_is_computed_once(tiny_engine):
+    prefix, prompts = _few_shot(12)
+    assert tiny_engine.flush_cache()
+    outs = tiny_engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    assert cached[0] < len(prefix) and all(c >= len(prefix) for c in cached[1:])
