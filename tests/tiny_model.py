@@ -33,3 +33,25 @@ def make_tiny_model_dir(path: str, *, num_layers: int = 2, hidden: int = 64, hea
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
+
+
+def make_tiny_safetensors_dir(path: str, *, num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                              tie: bool = False, rope_scaling: dict | None = None, seed: int = 0) -> str:
+    """A real HF checkpoint folder: random weights saved by transformers' own LlamaForCausalLM."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    make_tiny_model_dir(path, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads, tie=tie)
+    extra = {} if rope_scaling is None else {"rope_scaling": {"rope_theta": 50000.0, **rope_scaling}}
+    config = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=50000.0,
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():  # norms away from 1 so a swapped or missing norm weight shows up
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,107 @@
+"""Loader: safetensors folders, dummy weights, the GGUF conversion cache, RoPE scaling, clear errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from radixlang.runtime.models.gguf_convert import _unpermute, converted_dir_for
+from radixlang.runtime.models.loader import default_model_path, load_model, resolve_model_dir
+from test_models import _run_ours
+from tiny_model import make_tiny_model_dir, make_tiny_safetensors_dir
+
+IDS = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3] * 5  # 50 positions: long enough for RoPE scaling to matter
+
+
+def _hf(folder: str, ids: list[int]) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+])
+def test_safetensors_folder_matches_transformers(tmp_path, rope_scaling):
+    folder = make_tiny_safetensors_dir(str(tmp_path), rope_scaling=rope_scaling)
+    loaded = load_model(folder)
+    assert loaded.model_path == folder and loaded.tokenizer is not None
+    _assert_close(_run_ours(loaded.model, IDS), _hf(folder, IDS))
+
+
+def test_rope_scaling_changes_logits(tmp_path):
+    plain = load_model(make_tiny_safetensors_dir(str(tmp_path / "a")))
+    scaled = load_model(make_tiny_safetensors_dir(str(tmp_path / "b"), rope_scaling={"rope_type": "linear",
+                                                                                       "factor": 4.0}))
+    assert not torch.allclose(_run_ours(plain.model, IDS), _run_ours(scaled.model, IDS), atol=1e-4)
+
+
+def test_dummy_weights_are_seeded(tmp_path):
+    folder = make_tiny_model_dir(str(tmp_path))
+    a, b = load_model(folder, load_format="dummy", seed=1), load_model(folder, load_format="dummy", seed=1)
+    c = load_model(folder, load_format="dummy", seed=2)
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert 0.01 < wa.std().item() < 0.04
+    assert torch.equal(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
+
+
+def test_errors_say_what_was_expected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    folder = make_tiny_model_dir(str(tmp_path / "cfg"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(folder)  # config only, no weights, no dummy
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="dynamic"):
+        load_model(folder, load_format="dummy")
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # what llama.cpp's converter does to Q/K
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    assert np.array_equal(_unpermute(permute(w, 3), 3), w)
+    assert not np.array_equal(permute(w, 3), w)
+
+
+def test_gguf_conversion_is_cached_with_smollm_config(smollm_path):
+    gguf = default_model_path()
+    assert gguf.endswith(".gguf")
+    assert resolve_model_dir(None) == smollm_path == str(converted_dir_for(gguf))
+    assert resolve_model_dir(gguf) == smollm_path
+    assert os.path.exists(os.path.join(smollm_path, "complete"))
+    with open(os.path.join(smollm_path, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert cfg["tie_word_embeddings"] is True
+    loaded = load_model(None)
+    assert "<|im_start|>" in loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                   tokenize=False)
+
+
+def test_converted_weights_equal_transformers_gguf_loading(smollm_path):
+    gguf = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                               dtype=torch.float32).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).state_dict()
+    for name, tensor in ours.items():
+        assert torch.allclose(tensor, ref[name], atol=1e-6), name
