@@ -1,0 +1,161 @@
+"""GrammarCompiler: (kind, spec) -> CompiledGrammar, cached LRU, sync or on worker threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+
+from outlines_core import Index, Vocabulary
+
+from radixlang.constrained.grammar import CompiledGrammar
+from radixlang.constrained.json_regex import json_schema_to_regex
+from radixlang.constrained.tokenizer_info import TokenizerInfo
+
+GrammarKey = tuple[str, "str | None"]
+KINDS = ("regex", "json")
+
+
+class GrammarCompileTimeout(TimeoutError, ValueError):
+    """A grammar took longer than the compiler's timeout_s (a ValueError, so the request fails as bad input)."""
+
+
+class GrammarCompiler:
+    """Compiles regexes and JSON schemas against one tokenizer.
+
+    ``compile`` and ``compile_async`` share one LRU cache of futures keyed by
+    (kind, spec), so concurrent requests for one grammar compile it once.
+    Failed compiles stay cached (they fail the same way again) except timeouts.
+    Thread-safe; call ``shutdown`` to stop the worker threads.
+    """
+
+    def __init__(self, tokenizer_info: TokenizerInfo, cache_size: int = 64, whitespace_pattern: str | None = None,
+                 max_states: int = 200_000, timeout_s: float = 30.0, num_workers: int = 2,
+                 any_json_depth: int = 2) -> None:
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.tokenizer_info = tokenizer_info
+        self.cache_size = cache_size
+        self.whitespace_pattern = whitespace_pattern
+        self.max_states = max_states
+        self.timeout_s = timeout_s
+        self.any_json_depth = any_json_depth
+        self._cache: OrderedDict[GrammarKey, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._vocabulary: Vocabulary | None = None
+        self._vocab_lock = threading.Lock()
+        self.vocabulary_build_s = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar")
+
+    # ---- public API -------------------------------------------------------
+
+    def compile(self, kind: str, spec: str | None) -> CompiledGrammar:
+        """Compile (or fetch from the cache); ValueError for a bad or too slow grammar."""
+        return self.compile_async(kind, spec).result()
+
+    def compile_async(self, kind: str, spec: str | None) -> Future[CompiledGrammar]:
+        """A future resolving to the CompiledGrammar, or to ValueError / GrammarCompileTimeout."""
+        key = self._check_key(kind, spec)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = Future()
+            fut.set_running_or_notify_cancel()
+            if self.cache_size > 0:
+                self._cache[key] = fut
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        self._start(key, fut)
+        return fut
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def cache_len(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------
+
+    @staticmethod
+    def _check_key(kind: str, spec: str | None) -> GrammarKey:
+        if kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
+        if kind == "regex" and not isinstance(spec, str):
+            raise ValueError(f"a regex grammar needs a pattern string, got {type(spec).__name__}")
+        if kind == "json" and spec is not None and not isinstance(spec, str):
+            raise ValueError(f"a json grammar needs a schema string or None, got {type(spec).__name__}")
+        return (kind, spec)
+
+    def _start(self, key: GrammarKey, outer: Future[CompiledGrammar]) -> None:
+        def finish(inner: Future[CompiledGrammar]) -> None:
+            timer.cancel()
+            if outer.done():
+                return
+            try:
+                if inner.cancelled():
+                    outer.set_exception(ValueError(f"grammar compiler was shut down before compiling {key[0]}"))
+                elif inner.exception() is not None:
+                    outer.set_exception(inner.exception())
+                else:
+                    outer.set_result(inner.result())
+            except InvalidStateError:  # the timeout fired first
+                pass
+
+        def expire() -> None:
+            if outer.done():
+                return
+            try:
+                outer.set_exception(GrammarCompileTimeout(
+                    f"grammar compile took longer than {self.timeout_s:g}s ({key[0]}: {str(key[1])[:80]!r})"))
+            except InvalidStateError:  # lost the race with finish()
+                return
+            with self._lock:
+                if self._cache.get(key) is outer:
+                    del self._cache[key]
+
+        timer = threading.Timer(self.timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        self._pool.submit(self._build, key).add_done_callback(finish)
+
+    def _build(self, key: GrammarKey) -> CompiledGrammar:
+        kind, spec = key
+        if kind == "regex":
+            regex = spec
+        else:
+            regex = json_schema_to_regex(spec, whitespace_pattern=self.whitespace_pattern,
+                                         any_depth=self.any_json_depth)
+        assert regex is not None
+        try:
+            index = Index(regex, self.vocabulary())
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"invalid {kind} grammar: {str(e).strip()[:200]} (pattern: {regex[:80]!r})") from None
+        if self.max_states:
+            num_states = len(index.get_transitions())
+            if num_states > self.max_states:
+                raise ValueError(f"grammar has {num_states} states, more than max_states={self.max_states}")
+        return CompiledGrammar(kind=kind, spec=spec, regex=regex, index=index, tokenizer_info=self.tokenizer_info)
+
+    def vocabulary(self) -> Vocabulary:
+        """The outlines-core Vocabulary of the tokenizer (built once, never from the hub)."""
+        with self._vocab_lock:
+            if self._vocabulary is None:
+                started = time.perf_counter()
+                info = self.tokenizer_info
+                by_bytes: dict[bytes, list[int]] = {}
+                for token_id, data in enumerate(info.token_bytes):
+                    if data:
+                        by_bytes.setdefault(data, []).append(token_id)
+                self._vocabulary = Vocabulary(info.eos_token_ids[0], by_bytes)
+                self.vocabulary_build_s = time.perf_counter() - started
+            return self._vocabulary

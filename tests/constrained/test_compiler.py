@@ -1,0 +1,140 @@
+"""GrammarCompiler: kinds, LRU cache, async compile, time limit, errors, JSON jump-forward."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from radixlang.constrained import Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo
+from radixlang.constrained.json_regex import any_json_object_regex, bound_integer_ranges, json_schema_to_regex
+
+ASCII = {chr(c): i for i, c in enumerate(range(32, 127))}
+ASCII["<eos>"] = len(ASCII)
+
+
+@pytest.fixture()
+def compiler():
+    c = GrammarCompiler(TokenizerInfo.from_vocab(ASCII, eos_token="<eos>"), cache_size=2)
+    yield c
+    c.shutdown()
+
+
+def test_cache_is_lru(compiler):
+    first = compiler.compile("regex", "a+")
+    assert compiler.compile("regex", "a+") is first
+    compiler.compile("regex", "b+")
+    compiler.compile("regex", "a+")          # refresh a+: b+ is now the oldest
+    compiler.compile("regex", "c+")
+    assert compiler.cache_len() == 2
+    assert compiler.compile("regex", "a+") is first
+    assert compiler.compile("regex", "b+") is not None and compiler.cache_len() == 2
+
+
+def test_concurrent_compiles_share_one_future(compiler):
+    futures = []
+    threads = [threading.Thread(target=lambda: futures.append(compiler.compile_async("regex", "[a-z]{2,9}")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(f) for f in futures}) == 1
+    assert futures[0].result().regex == "[a-z]{2,9}"
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("regex", "a(", "invalid regex grammar"),
+    ("regex", "[z-a]", "invalid regex grammar"),
+    ("json", "not json", "valid JSON"),
+    ("json", '{"type": "foo"}', "unsupported or invalid json schema"),
+    ("json", "[1, 2]", "must be a JSON object"),
+    ("json", '{"$ref": "#/$defs/missing"}', "unsupported or invalid json schema"),
+    ("json", '{"type": "string", "pattern": "("}', "invalid json grammar"),
+    ("ebnf", "root ::= 'a'", "grammar kind must be one of"),
+    ("regex", None, "needs a pattern string"),
+])
+def test_invalid_grammars_raise_value_error(compiler, kind, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compiler.compile(kind, spec)
+    if kind in ("regex", "json") and spec is not None:
+        assert isinstance(compiler.compile_async(kind, spec).exception(timeout=30), ValueError)
+
+
+def test_timeout_fails_the_future_cleanly(smollm_info):
+    c = GrammarCompiler(smollm_info, timeout_s=0.01, any_json_depth=2)
+    fut = c.compile_async("json", None)      # takes ~1 s on the 49k vocabulary
+    exc = fut.exception(timeout=60)
+    assert isinstance(exc, GrammarCompileTimeout)
+    assert isinstance(exc, ValueError) and isinstance(exc, TimeoutError)
+    assert "longer than 0.01s" in str(exc)
+    assert c.cache_len() == 0                # a timeout is not cached: a retry compiles again
+    c.shutdown()
+
+
+def test_json_keys_are_jump_forwarded(smollm_compiler, smollm_tokenizer):
+    schema = {"type": "object", "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 10},
+        "shipping_address_line": {"type": "string", "maxLength": 10}},
+        "required": ["customer_full_name", "shipping_address_line"]}
+    g = Grammar(smollm_compiler.compile("json", json.dumps(schema)))
+    assert g.try_jump_forward() == "{"      # then an optional space: two continuations
+    assert g.accept_text('{"')
+    forced = g.try_jump_forward()
+    assert forced == 'customer_full_name"'
+    assert g.jump_forward_accept(smollm_tokenizer.encode(forced, add_special_tokens=False))
+    assert g.accept_text(':"Ann Lee"')
+    assert g.try_jump_forward() is None      # "," or " ,"
+    assert g.accept_text(',')
+    assert g.try_jump_forward() is None      # '"' or ' "'
+    assert g.accept_text('"')
+    assert g.try_jump_forward() == 'shipping_address_line"'
+
+
+def test_compact_whitespace_forces_more(smollm_info, smollm_tokenizer):
+    c = GrammarCompiler(smollm_info, whitespace_pattern="")
+    schema = {"type": "object", "properties": {"alpha_value": {"type": "integer"}, "beta_value": {"const": 1}},
+              "required": ["alpha_value", "beta_value"]}
+    g = Grammar(c.compile("json", json.dumps(schema)))
+    assert g.try_jump_forward() == '{"alpha_value":'
+    assert g.accept_text('{"alpha_value":42')
+    assert g.try_jump_forward() is None      # more digits, or the comma
+    assert g.accept_text(",")
+    assert g.try_jump_forward() == '"beta_value":1}'
+    ids = smollm_tokenizer.encode('"beta_value":1}', add_special_tokens=False)
+    assert g.jump_forward_accept(ids) and g.is_accepting()
+    c.shutdown()
+
+
+def test_any_json_regex_shape():
+    regex = any_json_object_regex(depth=2, whitespace_pattern="")
+    for ok in ['{}', '{"a":1}', '{"a":[1,"x",null]}', '{"a":{"b":true}}', '{"a":"\\u00e9\\n"}']:
+        assert re.fullmatch(regex, ok), ok
+    for bad in ['[]', '{"a":{"b":{"c":1}}}', '{"a":01}', '{a:1}', '{"a":"\n"}']:
+        assert not re.fullmatch(regex, bad), bad
+    assert json_schema_to_regex(None, whitespace_pattern="") == regex
+
+
+def test_bound_integer_ranges_rewrites_small_ranges_only():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 1, "maximum": 3},
+        "b": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 3},
+        "c": {"type": "integer", "minimum": 0},
+        "d": {"type": "integer", "minimum": 0, "maximum": 10**6},
+        "e": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]}}}
+    props = bound_integer_ranges(schema)["properties"]
+    assert props["a"] == {"enum": [1, 2, 3]} and props["b"] == {"enum": [1, 2]}
+    assert props["c"] == schema["properties"]["c"] and props["d"] == schema["properties"]["d"]
+    assert props["e"] == schema["properties"]["e"]   # enum values are data, not schemas
+
+
+def test_shutdown_fails_queued_compiles(smollm_info):
+    c = GrammarCompiler(smollm_info, num_workers=1)
+    futures = [c.compile_async("regex", f"[a-z]{{{n}}}x") for n in range(1, 6)]
+    c.shutdown()
+    for fut in futures:
+        exc = fut.exception(timeout=60)
+        assert exc is None or (isinstance(exc, ValueError) and "shut down" in str(exc))
+    assert any(fut.exception() is not None for fut in futures)
