@@ -1,13 +1,21 @@
-"""radixlang: a structured-generation LLM runtime with a Python DSL frontend."""
+"""radixlang: a structured-generation LLM runtime with a Python DSL frontend.
+
+`import radixlang as sgl` gives the DSL (`sgl.function`, `sgl.gen`, `sgl.select`,
+roles, backends) without importing torch; `sgl.Engine` loads the runtime on
+first use, so DSL clients that talk to a server stay light.
+"""
 from __future__ import annotations
 
 from typing import Any
 
+from radixlang.lang._public import *  # noqa: F401,F403
+from radixlang.lang._public import __all__ as _lang_all
+
 __version__ = "0.1.0"
+__all__ = [*_lang_all, "Engine", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # The runtime (torch) loads only when asked for, so DSL clients stay light.
     if name == "Engine":
         from radixlang.runtime.engine import Engine
         return Engine
