@@ -10,7 +10,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from outlines_core import Index, Vocabulary
 
 from radixlang.constrained.grammar import CompiledGrammar
-from radixlang.constrained.json_regex import json_schema_to_regex
+from radixlang.constrained.json_regex import ascii_digits, json_schema_to_regex
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 GrammarKey = tuple[str, "str | None"]
@@ -131,7 +131,8 @@ class GrammarCompiler:
     def _build(self, key: GrammarKey) -> CompiledGrammar:
         kind, spec = key
         if kind == "regex":
-            regex = spec
+            # \d means ASCII digits, as in xgrammar and in what users of phone/date patterns expect
+            regex = ascii_digits(spec)
         else:
             regex = json_schema_to_regex(spec, whitespace_pattern=self.whitespace_pattern,
                                          any_depth=self.any_json_depth)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+# json_schema value meaning "any JSON object" (SGLang's spelling for OpenAI's json_object response format)
+ANY_JSON = "$$ANY$$"
 
 
 @dataclass(kw_only=True)
@@ -91,18 +93,23 @@ class SamplingParams:
         for name in given:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.json_schema is not None and self.json_schema != ANY_JSON:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
     @property
-    def grammar_key(self) -> tuple[str, str] | None:
+    def grammar_key(self) -> tuple[str, str | None] | None:
         """(kind, spec) for the grammar compiler, or None when unconstrained."""
         if self.regex is not None:
             return ("regex", self.regex)
         if self.json_schema is not None:
-            return ("json", self.json_schema)
+            return ("json", None if self.json_schema == ANY_JSON else self.json_schema)
         if self.ebnf is not None:
             return ("ebnf", self.ebnf)
         return None

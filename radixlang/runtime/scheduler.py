@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
+from radixlang.constrained import Grammar, GrammarCompiler, TokenizerInfo
 from radixlang.kernels.attention.base import ForwardMode
+from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
 from radixlang.runtime.batch import Req, ScheduleBatch
 from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.io import BatchTokenIDOut, FlushCacheOut, TokenizedGenerateReq
@@ -46,6 +50,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.outputs = OutputCollector()
+        self._grammar_compiler: GrammarCompiler | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "num_requests": 0,
                       "num_retractions": 0, "forward_steps": 0}
 
@@ -54,15 +59,52 @@ class Scheduler:
         try:
             params = SamplingParams.from_dict(tr.sampling_params)
             self._validate(tr, params)
+            future = None
+            if params.grammar_key is not None:
+                kind, spec = params.grammar_key
+                if kind == "ebnf":
+                    raise ValueError("ebnf grammars are not supported yet: use regex or json_schema")
+                future = self.grammar_compiler.compile_async(kind, spec)
         except ValueError as e:
             self.outputs.add_error(tr.rid, str(e), prompt_tokens=len(tr.input_ids))
             return
         req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params,
                   return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
-                  eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids)
+                  eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future)
         self.stats["num_requests"] += 1
         self.waiting.append(req)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (reading the vocabulary takes a moment)."""
+        if self._grammar_compiler is None:
+            info = TokenizerInfo.from_tokenizer(self.tokenizer, vocab_size=self.runner.vocab_size,
+                                                eos_token_ids=sorted(self.eos_ids))
+            self._grammar_compiler = GrammarCompiler(
+                info, timeout_s=self.args.grammar_compile_timeout,
+                whitespace_pattern=self.args.constrained_json_whitespace_pattern)
+        return self._grammar_compiler
+
+    def _poll_grammars(self) -> list:
+        """Attach compiled grammars to waiting requests; fail those whose grammar did not compile.
+
+        Returns the futures still compiling.
+        """
+        pending = []
+        for req in list(self.waiting):
+            fut = req.grammar_future
+            if fut is None or req.grammar is not None:
+                continue
+            if not fut.done():
+                pending.append(fut)
+                continue
+            try:
+                req.grammar = Grammar(fut.result())
+            except Exception as e:  # a bad or too slow grammar fails only its own request
+                self.waiting.remove(req)
+                self.outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len)
+        return pending
 
     def _validate(self, tr: TokenizedGenerateReq, params: SamplingParams) -> None:
         if not tr.input_ids:
@@ -78,8 +120,6 @@ class Scheduler:
             params.max_new_tokens = self.runner.context_len - len(tr.input_ids)
         if len(tr.input_ids) + 1 > self.kv_pool.size:
             raise ValueError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}")
-        if params.grammar_key is not None:
-            raise ValueError("regex / json_schema constrained decoding is not available in this build yet")
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:
@@ -98,10 +138,13 @@ class Scheduler:
 
     def step(self) -> BatchTokenIDOut | None:
         self._reap_aborted()
+        compiling = self._poll_grammars()
         batch = self._get_prefill_batch() or self._get_decode_batch()
         if batch is not None:
             self._run_batch(batch)
             self.stats["forward_steps"] += 1
+        elif compiling:  # only grammars to wait for: don't spin
+            wait_futures(compiling, timeout=0.01, return_when=FIRST_COMPLETED)
         return self.outputs.flush(self.tokenizer)
 
     def _reap_aborted(self) -> None:
@@ -124,6 +167,8 @@ class Scheduler:
             self.waiting, self.args.schedule_policy, self.cache)
         self.chunked_req = None
         for req in candidates:
+            if req.grammar_future is not None and req.grammar is None:
+                continue  # its grammar is still compiling
             if budget <= 0 or len(self.running) + len(reqs) >= self.runner.max_running:
                 break
             if req.req_pool_idx is None and reqs and self.cache.should_defer(req, reqs):
@@ -295,10 +340,14 @@ class Scheduler:
             self.cache.cache_unfinished(req)
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        self._apply_grammar_masks(reqs, logits)
         info = SamplingInfo(
             params=[r.sampling_params for r in reqs], output_ids=[r.output_ids for r in reqs],
+            # a grammar in an accepting state decides the end itself: banning EOS could leave no token
             min_tokens_blocked=[sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
-                                if len(r.output_ids) < r.sampling_params.min_new_tokens else [] for r in reqs])
+                                if len(r.output_ids) < r.sampling_params.min_new_tokens
+                                and not (r.grammar is not None and r.grammar.is_accepting()) else []
+                                for r in reqs])
         want_lp = any(r.return_logprob for r in reqs)
         raw = logits.clone() if want_lp else logits
         if all(r.sampling_params.max_new_tokens == 0 for r in reqs):
@@ -319,9 +368,30 @@ class Scheduler:
                     req.output_top_logprobs.append([list(p) for p in zip(top.values[0], top.ids[0])])
             req.output_ids.append(tok)
             self.stats["generated_tokens"] += 1
-            req.finished_reason = check_finished(req, self.tokenizer)
+            req.finished_reason = self._grammar_step(req, tok) or check_finished(req, self.tokenizer)
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
+
+    def _apply_grammar_masks(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
+        if not rows:
+            return
+        mask = allocate_token_bitmask(len(reqs), logits.shape[-1], logits.device)
+        for i in rows:
+            reqs[i].grammar.allowed_token_mask(mask[i])
+        apply_token_bitmask_inplace(logits, mask, rows)
+
+    def _grammar_step(self, req: Req, tok: int) -> dict[str, Any] | None:
+        """Advance the request's grammar by its new token; a finish reason when the grammar ends it."""
+        g = req.grammar
+        if g is None:
+            return None
+        if not g.accept_token(tok):  # cannot happen for a token sampled under the mask
+            logger.error("request %s sampled token %d outside its grammar", req.rid, tok)
+            return {"type": "abort", "message": f"internal error: token {tok} outside the grammar"}
+        if g.is_terminated():
+            return {"type": "stop", "matched": tok}
+        return None
 
     def _finish(self, req: Req) -> None:
         if req.req_pool_idx is not None:
