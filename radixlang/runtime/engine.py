@@ -85,7 +85,13 @@ class Engine:
     def _loop(self) -> None:
         sched = self.scheduler
         while not self._stop:
-            self._drain_inbox()
+            try:
+                self._drain_inbox()
+            except BaseException as e:  # add_request crashing must fail callers, not strand them
+                logger.exception("scheduler request handling failed")
+                self._error = e
+                self._fail_all(e)
+                return
             if sched.is_idle():
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -104,3 +104,77 @@ def test_openai_client(server):
     assert len(comp.choices) == 2
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+
+
+def _idle_and_leak_free(c: httpx.Client) -> bool:
+    info = c.get("/get_server_info").json()
+    mem = info["memory"]
+    return info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and \
+        mem["kv_free_tokens"] + mem["kv_cached_tokens"] == mem["kv_total_tokens"]
+
+
+def _wait_idle(c: httpx.Client) -> None:
+    deadline = time.time() + 30
+    while not _idle_and_leak_free(c):
+        assert time.time() < deadline, c.get("/get_server_info").json()
+        time.sleep(0.1)
+
+
+def test_flush_refused_while_busy_then_abort(server):
+    import threading
+    long = {"text": "busy", "rid": "long-1", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    result = {}
+    with _client(server) as c:
+        worker = threading.Thread(target=lambda: result.update(c.post("/generate", json=long).json()))
+        worker.start()
+        deadline = time.time() + 20
+        while c.get("/get_server_info").json()["num_running_reqs"] == 0:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        r = c.post("/flush_cache")
+        assert r.status_code == 400 and "running" in r.json()["error"]["message"]
+        assert c.post("/abort_request", json={"rid": "long-1"}).json()["success"]
+        worker.join(timeout=30)
+        assert result["meta_info"]["finish_reason"]["type"] == "abort"
+        assert result["meta_info"]["completion_tokens"] < 1500
+        _wait_idle(c)
+        assert c.post("/flush_cache").status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    body = {"text": "never ending", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    with _client(server) as c:
+        before = c.get("/get_server_info").json()["generated_tokens"]
+        with c.stream("POST", "/generate", json=body) as r:
+            frames = 0
+            for line in r.iter_lines():
+                frames += line.startswith("data: ")
+                if frames == 3:
+                    break
+        _wait_idle(c)
+        info = c.get("/get_server_info").json()
+        assert info["generated_tokens"] - before < 1500  # aborted: the stream did not run to its end
+
+
+def test_generate_refusals_are_400_naming_the_field(server):
+    with _client(server) as c:
+        r = c.post("/generate", json={"input_ids": [10 ** 9], "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+        r = c.post("/generate", json={"text": "x", "top_logprobs_num": [1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num"
+        r = c.post("/generate", json={"text": "x", "sampling_params": {"temperature": -1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        assert c.post("/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_metrics_exposed_and_counting(server):
+    with _client(server) as c:
+        def value(name: str) -> float:
+            text = c.get("/metrics").text
+            return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+        before = value("radixlang_num_requests_total")
+        c.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 2}})
+        assert value("radixlang_num_requests_total") == before + 1
+        assert value("radixlang_kv_total_tokens") == 4096
+        assert 0.0 <= value("radixlang_cache_hit_rate") <= 1.0
+    assert httpx.get(server + "/metrics").status_code == 401
