@@ -1,0 +1,160 @@
+"""Every workload on every system in one run: the paper-style comparison table.
+
+    python -m bench.run_all [--quick] [--only NAME ...]
+
+Prints programs/s, tokens/s, p50/p99 latency, prompt-token cache hit rate and each
+system's throughput relative to radixlang; writes bench/results/latest.json and
+bench/results/latest.png (normalized throughput per workload, radixlang = 1).
+A workload that fails on a system (e.g. JSON where a system has no constrained
+decoding) becomes an error row instead of stopping the run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.common import RESULTS, write_result
+from bench.systems import System, close, default_systems
+from bench.workloads import Workload, all_workloads
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _missing(state: Any, outputs: tuple[str, ...]) -> str | None:
+    """Why a finished state is unusable, or None: the program's error or a variable it did not produce."""
+    err = state.error() if hasattr(state, "error") else None
+    if err is not None:
+        return str(err)
+    for var in outputs:
+        try:
+            state[var]
+        except Exception as e:  # a failed gen surfaces here
+            return f"{var}: {e}"
+    return None
+
+
+def run_workload(workload: Workload, backend: Any, n: int, concurrency: int) -> dict[str, Any]:
+    """Run n programs (concurrency at a time); the metrics row, or {"error": ...} if any program failed."""
+    data = workload.dataset(n, 0)
+    backend.flush_cache()
+    before = backend.counters()
+    latencies: list[float] = []
+
+    def one(kwargs: dict[str, Any]) -> tuple[Any, float]:
+        t = time.perf_counter()
+        state = workload.program.run(backend=backend, **workload.sampling, **kwargs)
+        return state, time.perf_counter() - t
+
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, data))
+    except Exception as e:  # the program body itself raised
+        return {"error": f"{type(e).__name__}: {e}"}
+    elapsed = time.perf_counter() - start
+    for state, lat in results:
+        why = _missing(state, workload.outputs)
+        if why is not None:
+            return {"error": why[:300]}
+        latencies.append(lat)
+    after = backend.counters()
+    prompt = after.prompt_tokens - before.prompt_tokens
+    return {"programs": n, "seconds": elapsed, "programs_s": n / elapsed,
+            "tokens_s": (after.completion_tokens - before.completion_tokens) / elapsed,
+            "p50_s": _percentile(latencies, 0.5), "p99_s": _percentile(latencies, 0.99),
+            "hit_rate": (after.cached_tokens - before.cached_tokens) / max(prompt, 1),
+            "states": [_outputs(state, workload.outputs) for state, _ in results[:2]]}
+
+
+def _outputs(state: Any, outputs: tuple[str, ...]) -> dict[str, Any]:
+    return {var: state[var] for var in outputs}
+
+
+def _programs(workload: Workload, system: System, quick: bool) -> int:
+    n = workload.quick_n if quick else workload.full_n
+    return n if system.concurrency > 1 else max(1, n // 4)  # the serial baseline gets fewer, same prompts
+
+
+def run(workloads: list[Workload], systems: list[System], model_dir: str, quick: bool) -> dict[str, Any]:
+    table: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
+    with tqdm(total=len(workloads) * len(systems), desc="bench") as bar:
+        for system in systems:
+            backend = system.open(model_dir)
+            try:
+                for w in workloads:
+                    bar.set_postfix_str(f"{system.name}/{w.name}")
+                    table[w.name][system.name] = run_workload(w, backend, _programs(w, system, quick),
+                                                              system.concurrency)
+                    bar.update()
+            finally:
+                close(backend)
+    for rows in table.values():
+        base = rows.get("radixlang", {}).get("programs_s")
+        for row in rows.values():
+            if base and "programs_s" in row:
+                row["ratio_to_radixlang"] = row["programs_s"] / base
+    return table
+
+
+def print_table(table: dict[str, dict[str, Any]]) -> None:
+    head = f"{'workload':24s} {'system':20s} {'prog/s':>8s} {'tok/s':>8s} {'p50 s':>7s} {'p99 s':>7s} " \
+           f"{'hit':>5s} {'radix/x':>8s}"
+    print(head)
+    print("-" * len(head))
+    for name, rows in table.items():
+        for system, row in rows.items():
+            if "error" in row:
+                print(f"{name:24s} {system:20s} ERROR: {row['error'][:80]}")
+                continue
+            speedup = 1 / row["ratio_to_radixlang"] if row.get("ratio_to_radixlang") else float("nan")
+            print(f"{name:24s} {system:20s} {row['programs_s']:8.2f} {row['tokens_s']:8.1f} {row['p50_s']:7.2f} "
+                  f"{row['p99_s']:7.2f} {row['hit_rate']:5.2f} {speedup:8.2f}")
+
+
+def plot(table: dict[str, dict[str, Any]], systems: list[str]) -> None:
+    """Normalized throughput bars (radixlang = 1), one group per workload, like the paper's figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(table)
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4))
+    for i, system in enumerate(systems):
+        values = [table[n].get(system, {}).get("ratio_to_radixlang", 0.0) for n in names]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=system)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("throughput / radixlang")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "latest.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="few programs per workload (under 5 minutes)")
+    ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
+    ap.add_argument("--concurrency", type=int, default=16, help="programs in flight for the radixlang systems")
+    args = ap.parse_args()
+    from radixlang.runtime.models.loader import resolve_model_dir
+    workloads = [w for w in all_workloads() if not args.only or w.name in args.only]
+    systems = default_systems(args.concurrency)
+    table = run(workloads, systems, resolve_model_dir(None), args.quick)
+    print_table(table)
+    print("wrote", write_result("latest", {"quick": args.quick, "workloads": table}))
+    try:
+        plot(table, [s.name for s in systems])
+        print("wrote", RESULTS / "latest.png")
+    except ImportError:
+        print("matplotlib not installed: no chart")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""System adapters for bench.run_all: each opens a DSL backend and reports token counters.
+
+A system is what a user would pick instead of radixlang, driven by the same DSL programs,
+prompts and token budgets. Counters (prompt, cached, completion tokens) are read per run so
+the runner can report tokens/s and the prompt-token cache hit rate.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from radixlang.lang.backends.base import Backend, GenParams, check_choices
+from radixlang.lang.backends.engine import EngineBackend
+from radixlang.lang.chat_template import ChatTemplate, from_jinja, match_chat_template
+from radixlang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class CountingEngineBackend(EngineBackend):
+    """EngineBackend that sums completion tokens; prompt/cached tokens come from the engine's own counters."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self._count_lock = threading.Lock()
+        self.completion_tokens = 0
+
+    def generate(self, state_text: str, sampling: GenParams, *,
+                 messages: list[dict[str, str]] | None = None) -> tuple[str, dict[str, Any]]:
+        text, meta = super().generate(state_text, sampling, messages=messages)
+        with self._count_lock:
+            self.completion_tokens += int(meta.get("completion_tokens", 0))
+        return text, meta
+
+    def counters(self) -> Counters:
+        info = self.engine.get_server_info()
+        return Counters(int(info.get("prompt_tokens", 0)), int(info.get("cached_tokens", 0)), self.completion_tokens)
+
+
+class TransformersBackend(Backend):
+    """The naive baseline: HF generate for gen and one forward pass per choice for select, no KV reuse.
+
+    Constrained decoding is not part of plain transformers, so a json_schema/regex gen raises ValueError
+    (the runner reports that workload as an error row for this system)."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.folder = folder
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self._lock = threading.Lock()  # one forward at a time: the baseline serves one request at a time
+        self._counters = Counters()
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, state_text: str, sampling: GenParams, *,
+                 messages: list[dict[str, str]] | None = None) -> tuple[str, dict[str, Any]]:
+        params = sampling.sampling_params
+        if params.get("json_schema") or params.get("regex"):
+            raise ValueError("the transformers baseline has no constrained decoding")
+        ids = self._encode(state_text)
+        stop = params.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        new = int(params.get("max_new_tokens", 16))
+        with self._lock, torch.no_grad():
+            kw: dict[str, Any] = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                      pad_token_id=self.tokenizer.eos_token_id, **kw)
+        gen_ids = out[0, len(ids):].tolist()
+        text = self.tokenizer.decode(gen_ids, skip_special_tokens=True)
+        for s in stop:  # generate stops after the stop string; the DSL contract drops it
+            if s in text:
+                text = text[:text.index(s)]
+        with self._lock:
+            self._counters.prompt_tokens += len(ids)
+            self._counters.completion_tokens += len(gen_ids)
+        return text, {"prompt_tokens": len(ids), "completion_tokens": len(gen_ids), "cached_tokens": 0,
+                      "finish_reason": {"type": "length"}}
+
+    def select(self, state_text: str, choices: Sequence[str], temperature: float,
+               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        choices = check_choices(choices)
+        prefix_len = len(self._encode(state_text))
+        rows = []
+        for c in choices:  # SGLang paper's baseline: a full forward pass per choice
+            ids = self._encode(state_text + c)
+            start = min(max(prefix_len, 1), len(ids) - 1)
+            with self._lock, torch.no_grad():
+                logits = self.model(torch.tensor([ids])).logits[0].float()
+                self._counters.prompt_tokens += len(ids)
+            logp = torch.log_softmax(logits[start - 1:-1], dim=-1)
+            target = ids[start:]
+            rows.append([(float(logp[i, t]), t, None) for i, t in enumerate(target)])
+        return decide(choices_method, choices, rows, None)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        source = getattr(self.tokenizer, "chat_template", None)
+        derived = from_jinja(source, bos_token=self.tokenizer.bos_token or "",
+                             eos_token=self.tokenizer.eos_token or "") if isinstance(source, str) else None
+        return derived or match_chat_template(self.folder)
+
+    def counters(self) -> Counters:
+        with self._lock:
+            return Counters(**vars(self._counters))
+
+
+@dataclass(frozen=True)
+class System:
+    """name, how many programs run at once, and how to open/close its backend."""
+    name: str
+    concurrency: int
+
+    def open(self, model_dir: str) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RadixSystem(System):
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def open(self, model_dir: str) -> CountingEngineBackend:
+        from bench.common import threads
+        from radixlang import Engine
+        engine = Engine(model_path=model_dir, max_total_tokens=65536, num_threads=threads(), **dict(self.engine_kwargs))
+        return CountingEngineBackend(engine)
+
+
+@dataclass(frozen=True)
+class TransformersSystem(System):
+    def open(self, model_dir: str) -> TransformersBackend:
+        return TransformersBackend(model_dir)
+
+
+def close(backend: Any) -> None:
+    engine = getattr(backend, "engine", None)
+    if engine is not None:
+        engine.shutdown()
+
+
+def default_systems(concurrency: int) -> list[System]:
+    return [RadixSystem("radixlang", concurrency),
+            RadixSystem("radixlang_no_cache", concurrency, (("disable_radix_cache", True),)),
+            TransformersSystem("transformers", 1)]
