@@ -44,7 +44,7 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "turn off prefix sharing across requests")
     page_size: int = _f(1, "tokens per KV page")
     # constrained decoding
-    grammar_backend: str = _f("outlines", "grammar engine for regex / JSON schema", ("outlines", "xgrammar", "llguidance"))
+    grammar_backend: str = _f("outlines", "grammar engine for regex / JSON schema", ("outlines",))  # xgrammar: planned
     disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
