@@ -171,14 +171,18 @@ class Scheduler:
                 continue  # its grammar is still compiling
             if budget <= 0 or len(self.running) + len(reqs) >= self.runner.max_running:
                 break
-            if req.req_pool_idx is None and reqs and self.cache.should_defer(req, reqs):
+            fresh = req.req_pool_idx is None
+            if fresh and reqs and self.cache.should_defer(req, reqs):
                 continue  # its shared prefix is being computed in this batch: reuse it next step
-            if req.req_pool_idx is None and not self._admit(req):
+            if fresh and not self._admit(req):
                 break
             remaining = req.seq_len - req.kv_len
             ext = min(remaining, budget)
             if not self._reserve_extend(req, ext):
-                self._undo_admit(req)
+                if fresh:
+                    self._undo_admit(req)
+                else:  # a chunked prefill in progress keeps its slot and goes on next step
+                    self.chunked_req = req
                 break
             if req in self.waiting:
                 self.waiting.remove(req)
