@@ -9,7 +9,8 @@ import json
 import radixlang as sgl
 
 TOOLS = {
-    "calculator": ({"type": "object", "properties": {"expression": {"type": "string"}},
+    "calculator": ({"type": "object", "properties": {
+                       "expression": {"type": "string", "pattern": "^[0-9+*/() .-]{1,24}$"}},
                     "required": ["expression"]},
                    lambda a: str(eval(a["expression"], {"__builtins__": {}}, {}))),  # demo only: trusted input
     "weather": ({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
