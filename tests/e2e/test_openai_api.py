@@ -2,51 +2,20 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+
+from tests.live_server import live_server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "radixlang.launch_server", "--model-path", tiny_model_dir,
-                             "--load-format", "dummy", "--port", str(port), "--max-total-tokens", "4096",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-2000:])
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        os.kill(proc.pid, signal.SIGKILL)
-        raise RuntimeError("server did not become healthy")
-    yield url
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
+    with live_server(tiny_model_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

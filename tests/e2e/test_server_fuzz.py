@@ -1,17 +1,19 @@
 """Hypothesis-made request bodies against a live server: never a 5xx, and it keeps serving."""
 from __future__ import annotations
 
-import os
-import sys
-
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_openai_api import server  # noqa: E402,F401  (the module-scoped live server fixture)
+from tests.live_server import live_server
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with live_server(tiny_model_dir) as url:
+        yield url
 
 # small numbers only, so a valid body never asks for a long generation
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 8), st.floats(-3, 3),
