@@ -48,6 +48,7 @@ class CompiledGrammar:
     tokenizer_info: TokenizerInfo
     _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _forced: dict[int, tuple[bytes, list[int]]] = field(default_factory=dict, repr=False)
+    _complete: dict[int, bool] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,16 @@ class CompiledGrammar:
                 return None
             state = nxt
         return state
+
+    def is_complete(self, state: int) -> bool:
+        """True when ``state`` accepts and nothing but EOS may follow (cached)."""
+        hit = self._complete.get(state)
+        if hit is None:
+            hit = self.is_final(state) and not any(
+                t not in self.eos_token_ids for t in self.index.get_allowed_tokens(state) or [])
+            with self._lock:
+                self._complete[state] = hit
+        return hit
 
     def mask_for_state(self, state: int) -> torch.Tensor:
         """The packed allowed-token row of ``state`` (cached; do not write to it)."""
@@ -200,6 +211,10 @@ class Grammar:
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (EOS would be allowed)."""
         return self.compiled.is_final(self.state)
+
+    def is_complete(self) -> bool:
+        """True when the output is a complete match that nothing but EOS can extend."""
+        return not self._terminated and self.compiled.is_complete(self.state)
 
     def try_jump_forward(self) -> str | None:
         """The text the grammar forces next (cut to whole UTF-8 characters), or None."""

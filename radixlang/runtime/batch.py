@@ -35,15 +35,27 @@ class Req:
     input_token_logprobs: list[list[float | int | None]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     sent_input_logprobs: bool = False
-    generator_steps: int = 0
     grammar: Any = None
     grammar_future: Any = None
-    jump_forward_tokens: int = 0
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
     is_retracted: bool = False
 
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building the whole list."""
+        p = len(self.origin_input_ids)
+        if end <= p:
+            return self.origin_input_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.origin_input_ids[start:] + self.output_ids[:end - p]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
 
     @property
     def seq_len(self) -> int:
@@ -75,6 +87,9 @@ class ScheduleBatch:
     prefix_lens: list[int]  # tokens already in the pool per request
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64
     sample_mask: list[bool]  # False for a non-final prefill chunk: no token is sampled
+    # True for a batch of running requests (decode; EXTEND when some extend by jump-forwarded tokens):
+    # they stay in the running list, while the requests of a prefill batch join it
+    from_running: bool = False
 
     @property
     def batch_size(self) -> int:

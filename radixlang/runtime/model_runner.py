@@ -68,13 +68,13 @@ class ModelRunner:
         """Run one forward pass; return logits [len(logit_rows), vocab] float32 of the given token rows."""
         reqs = batch.reqs
         if batch.mode is ForwardMode.DECODE:
-            input_ids = [r.fill_ids[-1] for r in reqs]
+            input_ids = [r.last_token for r in reqs]
             positions = [r.seq_len - 1 for r in reqs]
             seq_lens = [r.seq_len for r in reqs]
         else:
             input_ids, positions, seq_lens = [], [], []
             for r, pre, ext in zip(reqs, batch.prefix_lens, batch.extend_lens):
-                input_ids.extend(r.fill_ids[pre:pre + ext])
+                input_ids.extend(r.tokens(pre, pre + ext))
                 positions.extend(range(pre, pre + ext))
                 seq_lens.append(pre + ext)
         fb = ForwardBatch(

@@ -52,7 +52,8 @@ class Scheduler:
         self.outputs = OutputCollector()
         self._grammar_compiler: GrammarCompiler | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "num_requests": 0,
-                      "num_retractions": 0, "forward_steps": 0}
+                      "num_retractions": 0, "forward_steps": 0, "jump_forward_tokens": 0}
+        self.jump_forward = not self.args.disable_jump_forward
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(self, tr: TokenizedGenerateReq) -> None:
@@ -248,19 +249,29 @@ class Scheduler:
 
     # ---- decode ----------------------------------------------------------------------------
     def _get_decode_batch(self) -> ScheduleBatch | None:
+        """Every running request appends its pending tokens: one (decode), or more after a jump-forward.
+
+        When any request has more than one pending token the batch runs as EXTEND (a mixed batch);
+        the others ride along as one-token extends.
+        """
         if not self.running:
             return None
-        while self.kv_pool.available_size() + self.cache.evictable_size() < len(self.running):
+        while (self.kv_pool.available_size() + self.cache.evictable_size()
+               < sum(r.seq_len - r.kv_len for r in self.running)):
             self._retract_one()
-        loc = self._alloc_kv(len(self.running))
+        reqs = list(self.running)
+        prefix_lens = [r.kv_len for r in reqs]
+        extend_lens = [r.seq_len - r.kv_len for r in reqs]
+        loc = self._alloc_kv(sum(extend_lens))
         assert loc is not None
-        for r, slot in zip(self.running, loc.tolist()):
-            self.req_to_token_pool.req_to_token[r.req_pool_idx, r.kv_len] = slot
-            r.kv_len += 1
-        n = len(self.running)
-        return ScheduleBatch(mode=ForwardMode.DECODE, reqs=list(self.running), extend_lens=[1] * n,
-                             prefix_lens=[r.kv_len - 1 for r in self.running], out_cache_loc=loc,
-                             sample_mask=[True] * n)
+        rows = torch.tensor([r.req_pool_idx for r, e in zip(reqs, extend_lens) for _ in range(e)])
+        cols = torch.tensor([p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)])
+        self.req_to_token_pool.req_to_token[rows, cols] = loc.to(torch.int32)
+        for r, e in zip(reqs, extend_lens):
+            r.kv_len += e
+        mode = ForwardMode.DECODE if len(loc) == len(reqs) else ForwardMode.EXTEND
+        return ScheduleBatch(mode=mode, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
+                             out_cache_loc=loc, sample_mask=[True] * len(reqs), from_running=True)
 
     def _retract_one(self) -> None:
         """Out of KV: send the newest running request back to the queue, keeping its tokens."""
@@ -282,7 +293,7 @@ class Scheduler:
         sampling_reqs = [batch.reqs[i] for i in sample_rows]
         last_logits = logits[[logprob_spans[i][1] for i in sample_rows]] if sample_rows else None
         self._record_input_logprobs(batch, logits, logprob_spans)
-        if batch.mode is ForwardMode.EXTEND:
+        if batch.mode is ForwardMode.EXTEND and not batch.from_running:
             self._after_extend(batch)
         if sampling_reqs:
             self._sample_and_append(sampling_reqs, last_logits)
@@ -293,7 +304,7 @@ class Scheduler:
                 if req in self.running:
                     self.running.remove(req)
                 self._finish(req)
-            elif batch.mode is ForwardMode.EXTEND:
+            elif not batch.from_running:
                 self.running.append(req)
                 req.is_retracted = False
 
@@ -370,9 +381,12 @@ class Scheduler:
                 req.output_token_logprobs.append([vals[0], tok])
                 if top is not None:
                     req.output_top_logprobs.append([list(p) for p in zip(top.values[0], top.ids[0])])
+            before = req.grammar.copy() if req.grammar is not None and self._may_jump(req) else None
             req.output_ids.append(tok)
             self.stats["generated_tokens"] += 1
             req.finished_reason = self._grammar_step(req, tok) or check_finished(req, self.tokenizer)
+            if before is not None and not req.finished:
+                req.finished_reason = self._jump_forward(req, before)
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 
@@ -396,6 +410,66 @@ class Scheduler:
         if g.is_terminated():
             return {"type": "stop", "matched": tok}
         return None
+
+    # ---- jump-forward ------------------------------------------------------------------------
+    def _may_jump(self, req: Req) -> bool:
+        # jumped tokens are not sampled, so a request that wants output logprobs decodes every token
+        return self.jump_forward and not req.return_logprob
+
+    def _jump_forward(self, req: Req, before: Grammar) -> dict[str, Any] | None:
+        """Append the text the grammar forces after the newest token; a finish reason if that ends it.
+
+        The newest token has no KV yet, so it is re-tokenized together with the forced text, the way
+        the tokenizer would spell the whole output (``before`` is the grammar state ahead of it); if
+        that does not round-trip, the forced text is tokenized alone after it. The appended tokens
+        get their KV in the next step, which then runs as an EXTEND for this request.
+        """
+        g = req.grammar
+        if g.is_complete():  # only EOS could follow: end now instead of spending a step to sample it
+            return {"type": "stop", "matched": None}
+        forced = g.try_jump_forward()
+        room = req.sampling_params.max_new_tokens - len(req.output_ids)
+        if not forced or room <= 0:
+            return None
+        token_bytes = g.compiled.tokenizer_info.token_bytes
+        tok = req.output_ids[-1]
+        forced_b = forced.encode("utf-8")
+        last_b = token_bytes[tok] if 0 <= tok < len(token_bytes) else None
+        jumped = None
+        if last_b:
+            ids = self._spell(last_b + forced_b, token_bytes)
+            if ids is not None and (h := before.copy()).jump_forward_accept(ids[:room + 1]):
+                jumped, replace, ids = h, True, ids[:room + 1]
+        if jumped is None:
+            ids = self._spell(forced_b, token_bytes)
+            if ids is None or not (h := g.copy()).jump_forward_accept(ids[:room]):
+                return None
+            jumped, replace, ids = h, False, ids[:room]
+        if replace:
+            req.output_ids[-1:] = ids
+            added = len(ids) - 1
+        else:
+            req.output_ids.extend(ids)
+            added = len(ids)
+        req.grammar = jumped
+        req.jump_forward_tokens += added
+        self.stats["jump_forward_tokens"] += added
+        self.stats["generated_tokens"] += added
+        if jumped.is_complete():
+            return {"type": "stop", "matched": None}
+        return check_finished(req, self.tokenizer, new_tokens=added + 1)
+
+    def _spell(self, data: bytes, token_bytes: list) -> list[int] | None:
+        """The tokenizer's ids for ``data`` (UTF-8 text), or None if they do not spell exactly ``data``."""
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:  # the newest token ends inside a character
+            return None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        parts = [token_bytes[t] if 0 <= t < len(token_bytes) else None for t in ids]
+        if not ids or any(p is None for p in parts) or b"".join(parts) != data:
+            return None
+        return ids
 
     def _finish(self, req: Req) -> None:
         if req.req_pool_idx is not None:

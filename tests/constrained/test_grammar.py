@@ -32,11 +32,13 @@ def test_masks_and_transitions_exact(compiler):
     assert g.accept_token(0)                  # "a"
     assert allowed_ids(g) == [0, 1, 2, 3]     # more a, b, ab, or stop
     assert g.is_accepting()
+    assert not g.is_complete()                # accepting, but more "a" may follow
     assert g.accept_token(1)                  # "ab": complete, nothing may follow
     assert allowed_ids(g) == [3]
+    assert g.is_complete()
     assert not g.accept_token(0)
     assert g.accept_token(3)
-    assert g.is_terminated()
+    assert g.is_terminated() and not g.is_complete()
     assert allowed_ids(g) == [3]
     assert not g.accept_token(3) and not g.accept_token(0)
 

@@ -94,3 +94,80 @@ def test_ebnf_is_refused_clearly(tiny_engine):
     out = _gen(tiny_engine, ["x"], [{"ebnf": 'root ::= "a"'}])[0]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "ebnf" in out["meta_info"]["finish_reason"]["message"]
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_legal_name": {"type": "string", "maxLength": 10},
+    "primary_shipping_address_line": {"type": "string", "maxLength": 10},
+    "account_creation_year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+    "is_premium_subscription_active": {"type": "boolean"}},
+    "required": ["customer_full_legal_name", "primary_shipping_address_line", "account_creation_year",
+                 "is_premium_subscription_active"]}
+
+
+@pytest.fixture(scope="module")
+def no_jump_engine(tiny_model_dir):
+    from radixlang import Engine
+    engine = Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=8192, disable_jump_forward=True)
+    yield engine
+    engine.shutdown()
+
+
+def _steps(engine, prompts, params):
+    before = engine.get_server_info()["forward_steps"]
+    outs = _gen(engine, prompts, params)
+    return outs, engine.get_server_info()["forward_steps"] - before
+
+
+def test_jump_forward_cuts_steps_and_stays_valid(tiny_engine, no_jump_engine):
+    params = [{"json_schema": json.dumps(LONG_KEYS), "temperature": 1.0, "sampling_seed": s, "max_new_tokens": 256}
+              for s in (1, 2, 3)]
+    results = {}
+    for name, engine in (("on", tiny_engine), ("off", no_jump_engine)):
+        outs, steps = _steps(engine, ["Give JSON:"] * 3, params)
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+            jsonschema.validate(json.loads(out["text"]), LONG_KEYS)
+        results[name] = (outs, steps)
+        engine.check_memory_leak()
+    (on, steps_on), (off, steps_off) = results["on"], results["off"]
+    assert all(o["meta_info"].get("jump_forward_tokens", 0) > 0 for o in on)
+    assert all("jump_forward_tokens" not in o["meta_info"] for o in off)
+    # the ~110 characters of keys and punctuation are forced: most tokens come without a step
+    assert steps_on * 2 <= steps_off, (steps_on, steps_off)
+    # a lone request: every step but the first (prefill) samples one token; jumped ones are extra
+    (out,), steps = _steps(tiny_engine, ["Give JSON:"], params[:1])
+    jumped = out["meta_info"]["jump_forward_tokens"]
+    assert steps <= out["meta_info"]["completion_tokens"] - jumped + 1
+
+
+def test_jump_forward_respects_max_new_tokens(tiny_engine):
+    schema = json.dumps(LONG_KEYS)
+    for n in (1, 3, 7):
+        out = _gen(tiny_engine, ["Give JSON:"], [{"json_schema": schema, "max_new_tokens": n, "temperature": 0}])[0]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+        assert out["meta_info"]["completion_tokens"] == n
+        compiled = tiny_engine.scheduler.grammar_compiler.compile("json", schema)
+        assert Grammar(compiled).accept_text(out["text"]), out["text"]
+
+
+def test_jump_forward_streams_the_same_text(tiny_engine):
+    p = {"json_schema": json.dumps(LONG_KEYS), "temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 256}
+    whole = _gen(tiny_engine, ["Give JSON:"], [p])[0]
+    chunks = list(tiny_engine.generate("Give JSON:", p, stream=True))  # each chunk: the output so far
+    assert len(chunks) > 3 and chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    for a, b in zip(chunks, chunks[1:]):  # a re-tokenized token is never one that was already sent
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+        assert b["text"].startswith(a["text"])
+    assert whole["meta_info"]["jump_forward_tokens"] > 0
+
+
+def test_logprob_requests_decode_every_token(tiny_engine):
+    p = {"json_schema": json.dumps(LONG_KEYS), "temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 256}
+    out = tiny_engine.generate("Give JSON:", p, return_logprob=True)
+    meta = out["meta_info"]
+    assert "jump_forward_tokens" not in meta
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert all(lp[0] is not None for lp in meta["output_token_logprobs"])
+    jsonschema.validate(json.loads(out["text"]), LONG_KEYS)

@@ -26,16 +26,25 @@ def _reference(q, k, v, layer):  # q [t, h, d], k/v [s, kvh, d]; the query i sit
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 
 
+CASES = {
+    "extend": (ForwardMode.EXTEND, [0, 5, 3], [7, 3, 1]),
+    # a mixed batch: a fresh prompt, a jump-forward, and decodes riding along as one-token extends
+    "mixed": (ForwardMode.EXTEND, [0, 5, 3, 8, 2], [7, 1, 4, 1, 1]),
+    "one_token_extends": (ForwardMode.EXTEND, [0, 6, 2], [1, 1, 1]),
+    "decode": (ForwardMode.DECODE, [4, 9, 1], [1, 1, 1]),
+}
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (6, 2)])
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_matches_reference(heads, kv_heads, mode):
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(heads, kv_heads, case):
     torch.manual_seed(0)
     d = 16
     layer = Layer(heads, kv_heads, d)
-    prefix_lens = [0, 5, 3] if mode is ForwardMode.EXTEND else [4, 9, 1]
-    extend_lens = [7, 3, 1] if mode is ForwardMode.EXTEND else [1, 1, 1]
+    mode, prefix_lens, extend_lens = CASES[case]
+    n = len(prefix_lens)
     pool = TokenToKVPool(100, num_layers=1, num_kv_heads=kv_heads, head_dim=d, dtype=torch.float32, device="cpu")
-    reqs = ReqToTokenPool(4, 64, "cpu")
+    reqs = ReqToTokenPool(n + 1, 64, "cpu")
     full_k, full_v, locs = [], [], []
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         slots = pool.alloc(p + e)[torch.randperm(p + e)]  # scattered slots: the pool is not contiguous
@@ -50,8 +59,8 @@ def test_matches_reference(heads, kv_heads, mode):
     new_v = torch.cat([v[p:] for v, p in zip(full_v, prefix_lens)])
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     backend = TorchNativeAttnBackend(heads, kv_heads, d)
-    fb = ForwardBatch(forward_mode=mode, batch_size=3, input_ids=torch.zeros(len(q), dtype=torch.int64),
-                      positions=torch.zeros(len(q), dtype=torch.int64), req_pool_indices=torch.arange(3),
+    fb = ForwardBatch(forward_mode=mode, batch_size=n, input_ids=torch.zeros(len(q), dtype=torch.int64),
+                      positions=torch.zeros(len(q), dtype=torch.int64), req_pool_indices=torch.arange(n),
                       seq_lens=torch.tensor(seq), seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix_lens,
                       extend_seq_lens_cpu=extend_lens, out_cache_loc=torch.cat(locs),
                       req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)

@@ -1,8 +1,10 @@
 """Torch attention backend: the reference every other backend is compared with; runs on the CPU.
 
 Decode gathers every request's KV through req_to_token into one padded
-[bs, max_len] batch and runs a single masked SDPA; extend runs one causal SDPA
-per request over prefix + new tokens.
+[bs, max_len] batch and runs a single masked SDPA. Extend runs one causal SDPA
+per request over prefix + new tokens (a fresh prompt over its own new k/v, with
+no gather from the pool); requests extending by a single token (decodes in a
+mixed batch) are grouped and run like a decode.
 """
 from __future__ import annotations
 
@@ -22,33 +24,43 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.dtype = dtype
         self._decode_kv_loc: torch.Tensor | None = None  # [bs, max_len] int64
         self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, max_len] bool
-        self._extend_kv_loc: list[torch.Tensor] = []
-        self._extend_masks: list[torch.Tensor | None] = []
+        # per multi-token request: (first token row, extend_len, kv slots or None = own k/v, mask)
+        self._extend_reqs: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        self._extend_singles: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
-        rows = forward_batch.req_to_token[forward_batch.req_pool_indices]  # [bs, max_context] int32
         seq_lens = forward_batch.seq_lens_cpu
+        rows = forward_batch.req_to_token[forward_batch.req_pool_indices, :max(seq_lens)]  # [bs, max_len] int32
         if forward_batch.forward_mode.is_decode():
-            max_len = max(seq_lens)
-            loc = rows[:, :max_len].to(torch.int64)
-            ar = torch.arange(max_len, device=loc.device)
-            valid = ar[None, :] < forward_batch.seq_lens[:, None]  # [bs, max_len]
-            self._decode_kv_loc = torch.where(valid, loc, torch.zeros_like(loc))
-            self._decode_mask = None if min(seq_lens) == max_len else valid[:, None, None, :]
+            self._decode_kv_loc, self._decode_mask = _padded_kv_loc(rows, forward_batch.seq_lens, seq_lens)
             return
-        self._extend_kv_loc = []
-        self._extend_masks = []
+        # extend: requests with one new token (decodes riding in a mixed batch, short jump-forwards)
+        # run together like a decode; the others run one causal SDPA each
+        singles = [i for i, e in enumerate(forward_batch.extend_seq_lens_cpu) if e == 1]
+        self._extend_singles = None
+        if len(singles) > 1:
+            starts = _token_starts(forward_batch.extend_seq_lens_cpu)
+            lens = [seq_lens[i] for i in singles]
+            idx = torch.tensor(singles, device=rows.device)
+            loc, mask = _padded_kv_loc(rows[idx], torch.tensor(lens, device=rows.device), lens)
+            self._extend_singles = (torch.tensor([starts[i] for i in singles], device=rows.device), loc, mask)
+        self._extend_reqs = []
+        start = 0
         for i, (prefix_len, extend_len) in enumerate(zip(forward_batch.extend_prefix_lens_cpu,
                                                          forward_batch.extend_seq_lens_cpu)):
             total = prefix_len + extend_len
-            self._extend_kv_loc.append(rows[i, :total].to(torch.int64))
-            if extend_len == 1 or prefix_len == 0:
-                # one query sees everything; a fresh prompt is plain causal (SDPA's fast path)
-                self._extend_masks.append(None)
-            else:
-                q_pos = torch.arange(prefix_len, total, device=rows.device)[:, None]
-                k_pos = torch.arange(total, device=rows.device)[None, :]
-                self._extend_masks.append(k_pos <= q_pos)  # [extend_len, total] bool
+            if not (extend_len == 1 and self._extend_singles is not None):
+                if prefix_len == 0:  # a fresh prompt attends only to its own new k/v: plain causal, no gather
+                    self._extend_reqs.append((start, extend_len, None, None))
+                else:
+                    loc = rows[i, :total].to(torch.int64)
+                    mask = None
+                    if extend_len > 1:
+                        q_pos = torch.arange(prefix_len, total, device=rows.device)[:, None]
+                        k_pos = torch.arange(total, device=rows.device)[None, :]
+                        mask = k_pos <= q_pos  # [extend_len, total] bool
+                    self._extend_reqs.append((start, extend_len, loc, mask))
+            start += extend_len
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
@@ -57,28 +69,53 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-        start = 0
         gqa = layer.num_heads != layer.num_kv_heads
-        for loc, mask, extend_len in zip(self._extend_kv_loc, self._extend_masks,
-                                         forward_batch.extend_seq_lens_cpu):
-            qi = q[start:start + extend_len].transpose(0, 1)  # [num_heads, extend_len, head_dim]
-            ki = k_buf[loc].transpose(0, 1)  # [num_kv_heads, total, head_dim]
-            vi = v_buf[loc].transpose(0, 1)
+        for start, extend_len, loc, mask in self._extend_reqs:
+            end = start + extend_len
+            qi = q[start:end].transpose(0, 1)  # [num_heads, extend_len, head_dim]
+            if loc is None:
+                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            else:
+                ki = k_buf[loc].transpose(0, 1)  # [num_kv_heads, total, head_dim]
+                vi = v_buf[loc].transpose(0, 1)
             causal = mask is None and extend_len > 1
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=layer.scaling,
                                                 enable_gqa=gqa)
-            out[start:start + extend_len] = oi.transpose(0, 1)
-            start += extend_len
+            out[start:end] = oi.transpose(0, 1)
+        if self._extend_singles is not None:
+            token_idx, loc, mask = self._extend_singles
+            out[token_idx] = self._attend_one_each(q[token_idx], k_buf, v_buf, loc, mask, layer)
         return out
+
+    def _attend_one_each(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor,
+                         mask: torch.Tensor | None, layer: AttentionLayerLike) -> torch.Tensor:
+        """One query per request over its padded KV rows: q [n, num_heads, head_dim] -> same shape."""
+        ki = k_buf[loc].transpose(1, 2)  # [n, num_kv_heads, max_len, head_dim]
+        vi = v_buf[loc].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), ki, vi, attn_mask=mask, scale=layer.scaling,
+                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return out.squeeze(2)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        loc = self._decode_kv_loc  # [bs, max_len]
-        ki = pool.get_key_buffer(layer.layer_id)[loc].transpose(1, 2)  # [bs, num_kv_heads, max_len, head_dim]
-        vi = pool.get_value_buffer(layer.layer_id)[loc].transpose(1, 2)
-        qi = q.unsqueeze(2)  # [bs, num_heads, 1, head_dim]
-        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=self._decode_mask, scale=layer.scaling,
-                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
-        return out.squeeze(2)  # [bs, num_heads, head_dim]
+        return self._attend_one_each(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                                     self._decode_kv_loc, self._decode_mask, layer)
+
+
+def _token_starts(extend_lens: list[int]) -> list[int]:
+    starts, acc = [], 0
+    for e in extend_lens:
+        starts.append(acc)
+        acc += e
+    return starts
+
+
+def _padded_kv_loc(rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]):
+    """KV slots [n, max_len] (padding points at slot 0) and the bool mask, None when no row is padded."""
+    max_len = max(seq_lens_cpu)
+    loc = rows[:, :max_len].to(torch.int64)
+    valid = torch.arange(max_len, device=loc.device)[None, :] < seq_lens[:, None]
+    loc = torch.where(valid, loc, torch.zeros_like(loc))
+    return loc, (None if min(seq_lens_cpu) == max_len else valid[:, None, None, :])
