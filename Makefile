@@ -23,9 +23,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+BENCH ?= run_all
+
 bench: $(STAMP)
-	$(BIN)/pip install -q matplotlib
-	$(BIN)/python -m bench.run_all $(ARGS)
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m bench.$(BENCH) $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -26,7 +26,10 @@ class GrammarCompiler:
 
     ``compile`` and ``compile_async`` share one LRU cache of futures keyed by
     (kind, spec), so concurrent requests for one grammar compile it once.
-    Failed compiles stay cached (they fail the same way again) except timeouts.
+    Failed compiles stay cached (they fail the same way again) except timeouts:
+    a build that timed out keeps running on its worker (it cannot be interrupted);
+    a later request for the same grammar waits on that build instead of starting
+    another, and once it completes its result is cached like any other.
     Thread-safe; call ``shutdown`` to stop the worker threads.
     """
 
@@ -44,6 +47,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.any_json_depth = any_json_depth
         self._cache: OrderedDict[GrammarKey, Future[CompiledGrammar]] = OrderedDict()
+        self._building: dict[GrammarKey, Future[CompiledGrammar]] = {}  # worker futures not yet done
         self._lock = threading.Lock()
         self._vocabulary: Vocabulary | None = None
         self._vocab_lock = threading.Lock()
@@ -112,21 +116,40 @@ class GrammarCompiler:
                 pass
 
         def expire() -> None:
-            if outer.done():
-                return
-            try:
-                outer.set_exception(GrammarCompileTimeout(
-                    f"grammar compile took longer than {self.timeout_s:g}s ({key[0]}: {str(key[1])[:80]!r})"))
-            except InvalidStateError:  # lost the race with finish()
-                return
-            with self._lock:
+            with self._lock:  # out of the cache before anyone sees it failed
+                if outer.done():
+                    return
+                try:
+                    outer.set_exception(GrammarCompileTimeout(
+                        f"grammar compile took longer than {self.timeout_s:g}s ({key[0]}: {str(key[1])[:80]!r})"))
+                except InvalidStateError:  # lost the race with finish()
+                    return
                 if self._cache.get(key) is outer:
                     del self._cache[key]
+
+        def built(inner: Future[CompiledGrammar]) -> None:
+            with self._lock:
+                self._building.pop(key, None)
+                if (not inner.cancelled() and inner.exception() is None and self.cache_size > 0
+                        and key not in self._cache):  # finished after its requests timed out: keep it
+                    done: Future[CompiledGrammar] = Future()
+                    done.set_running_or_notify_cancel()
+                    done.set_result(inner.result())
+                    self._cache[key] = done
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
 
         timer = threading.Timer(self.timeout_s, expire)
         timer.daemon = True
         timer.start()
-        self._pool.submit(self._build, key).add_done_callback(finish)
+        with self._lock:
+            inner = self._building.get(key)
+            new = inner is None
+            if new:
+                inner = self._building[key] = self._pool.submit(self._build, key)
+        if new:  # outside the lock: a build already done runs its callback right here
+            inner.add_done_callback(built)
+        inner.add_done_callback(finish)
 
     def _build(self, key: GrammarKey) -> CompiledGrammar:
         kind, spec = key

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 
-from radixlang.constrained import Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo
+from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo
 from radixlang.constrained.json_regex import any_json_object_regex, bound_integer_ranges, json_schema_to_regex
 
 ASCII = {chr(c): i for i, c in enumerate(range(32, 127))}
@@ -70,7 +71,25 @@ def test_timeout_fails_the_future_cleanly(smollm_info):
     assert isinstance(exc, GrammarCompileTimeout)
     assert isinstance(exc, ValueError) and isinstance(exc, TimeoutError)
     assert "longer than 0.01s" in str(exc)
-    assert c.cache_len() == 0                # a timeout is not cached: a retry compiles again
+    assert c.cache_len() == 0                # a timeout is not cached: the failure is not remembered
+    c.shutdown()
+
+
+def test_timed_out_build_is_shared_and_cached_when_done(smollm_info):
+    c = GrammarCompiler(smollm_info, timeout_s=0.01, any_json_depth=2)
+    builds = []
+    real_build = c._build
+    c._build = lambda key: (builds.append(key), real_build(key))[1]
+    first = c.compile_async("json", None)
+    assert isinstance(first.exception(timeout=60), GrammarCompileTimeout)
+    again = c.compile_async("json", None)    # the first build still runs: wait on it, don't start another
+    assert isinstance(again.exception(timeout=60), GrammarCompileTimeout)
+    deadline = time.monotonic() + 60
+    while c.cache_len() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    compiled = c.compile_async("json", None).result(timeout=1)  # the late result serves later requests
+    assert isinstance(compiled, CompiledGrammar)
+    assert builds == [("json", None)]
     c.shutdown()
 
 

@@ -1,0 +1,163 @@
+"""Constrained decoding on SmolLM2, end to end and per mask step, in one run.
+
+1. decode tokens/s with a JSON schema vs unconstrained, batch 1 and 16 (goal: >= 0.9x);
+   constrained runs with jump-forward off so the ratio is the cost of masking alone, and each
+   free request decodes as many tokens as its constrained twin;
+2. grammar compile time over the test schemas: median first compile, median cached;
+3. jump-forward on vs off for a schema with long keys: wall time and forward steps
+   (goal: >= 1.5x fewer steps);
+4. the per-token mask cost of our path beside xgrammar and llguidance on the same
+   schema and tokenizer (bench.constrained_micro).
+
+    .venv/bin/python -m bench.constrained [--quick]
+
+Writes bench/results/constrained.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench import constrained_micro  # noqa: E402
+from bench.common import threads, write_result  # noqa: E402
+from radixlang import Engine  # noqa: E402
+from radixlang.constrained import GrammarCompiler, TokenizerInfo  # noqa: E402
+from tests.constrained.test_random_walk import SCHEMAS  # noqa: E402
+
+# a free-text field long enough to measure decode, closed by the grammar
+STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 40}},
+         "required": ["story"]}
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_legal_name": {"type": "string", "maxLength": 24},
+    "primary_shipping_address_line": {"type": "string", "maxLength": 32},
+    "account_creation_calendar_year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+    "is_premium_subscription_active": {"type": "boolean"},
+    "preferred_contact_channel": {"enum": ["email", "telephone", "postal_mail"]}},
+    "required": ["customer_full_legal_name", "primary_shipping_address_line", "account_creation_calendar_year",
+                 "is_premium_subscription_active", "preferred_contact_channel"]}
+PROMPT = "Write a short story about a lighthouse keeper, as JSON with one field, story:\n"
+CUSTOMER = "Make up a customer record as JSON:\n"
+
+
+def _run(engine: Engine, prompts: list[str], params: list[dict]) -> tuple[list[dict], float, int]:
+    steps = engine.get_server_info()["forward_steps"]
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t
+    return outs, wall, engine.get_server_info()["forward_steps"] - steps
+
+
+def decode_ratio(free: Engine, masked: Engine, batch: int, tokens: int) -> dict[str, Any]:
+    """Tokens/s of JSON-constrained vs free requests producing the same number of tokens each.
+
+    The constrained requests run first (temperature 0.8, seeded); each free request then decodes
+    exactly as many tokens as its constrained twin (ignore_eos), so both runs have the same shape.
+    """
+    prompts = [PROMPT] * batch
+    json_params = [{"temperature": 0.8, "max_new_tokens": tokens, "json_schema": json.dumps(STORY),
+                    "sampling_seed": i} for i in range(batch)]
+    _run(masked, prompts[:1], json_params[:1])  # warm: compile the grammar, fill the prefix cache
+    outs, wall, steps = _run(masked, prompts, json_params)
+    lengths = [o["meta_info"]["completion_tokens"] for o in outs]
+    row: dict[str, Any] = {"json": {"tokens": sum(lengths), "wall_s": wall, "steps": steps,
+                                    "valid": sum(1 for o in outs if _valid_json(o["text"])),
+                                    "stopped": sum(1 for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop")}}
+    free_params = [{"temperature": 0.8, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i}
+                   for i, n in enumerate(lengths)]
+    _run(free, prompts[:1], free_params[:1])
+    outs, wall, steps = _run(free, prompts, free_params)
+    row["free"] = {"tokens": sum(o["meta_info"]["completion_tokens"] for o in outs), "wall_s": wall, "steps": steps}
+    for r in row.values():
+        r["tok_s"] = r["tokens"] / r["wall_s"]
+    row["ratio"] = row["json"]["tok_s"] / row["free"]["tok_s"]
+    return row
+
+
+def compile_times(tokenizer: Any) -> dict[str, Any]:
+    compiler = GrammarCompiler(TokenizerInfo.from_tokenizer(tokenizer))
+    first, cached, failed = [], [], {}
+    for name, schema in sorted(SCHEMAS.items()):
+        spec = json.dumps(schema)
+        try:
+            t = time.perf_counter()
+            compiler.compile("json", spec)
+            first.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            compiler.compile("json", spec)
+            cached.append(time.perf_counter() - t)
+        except Exception as e:  # keep the others' numbers
+            failed[name] = f"{type(e).__name__}: {e}"
+    compiler.shutdown()
+    return {"schemas": len(SCHEMAS), "first_median_s": statistics.median(first), "first_max_s": max(first),
+            "cached_median_us": statistics.median(cached) * 1e6, "failed": failed}
+
+
+def jump_forward(on: Engine, off: Engine, batch: int) -> dict[str, Any]:
+    params = [{"json_schema": json.dumps(LONG_KEYS), "temperature": 0.7, "sampling_seed": i, "max_new_tokens": 256}
+              for i in range(batch)]
+    row: dict[str, Any] = {}
+    for name, engine in (("on", on), ("off", off)):
+        _run(engine, [CUSTOMER], params[:1])  # warm
+        outs, wall, steps = _run(engine, [CUSTOMER] * batch, params)
+        valid = sum(1 for o in outs if _valid_json(o["text"]))
+        row[name] = {"wall_s": wall, "steps": steps, "valid": f"{valid}/{batch}",
+                     "completion_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+                     "jumped_tokens": sum(o["meta_info"].get("jump_forward_tokens", 0) for o in outs)}
+    row["fewer_steps"] = row["off"]["steps"] / max(row["on"]["steps"], 1)
+    row["speedup_wall"] = row["off"]["wall_s"] / row["on"]["wall_s"]
+    return row
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens per request")
+    args = ap.parse_args()
+    tokens = 48 if args.quick else 128
+    common = {"max_total_tokens": 32768, "num_threads": threads()}
+    results: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "tokens_per_request": tokens}
+    on = Engine(**common)
+    off = Engine(**common, disable_jump_forward=True)
+    try:
+        results["compile"] = compile_times(on.scheduler.tokenizer)
+        print("compile", json.dumps(results["compile"]))
+        for batch in (1, 16):
+            results[f"decode_b{batch}"] = row = decode_ratio(on, off, batch, tokens)
+            print(f"decode batch {batch}: json/free tokens/s {row['ratio']:.2f}x (goal >= 0.9x); "
+                  f"json {row['json']['tok_s']:.1f} tok/s, free {row['free']['tok_s']:.1f} tok/s")
+        for batch in (1, 8):
+            results[f"jump_forward_b{batch}"] = row = jump_forward(on, off, batch)
+            print(f"jump-forward batch {batch}: {row['fewer_steps']:.2f}x fewer steps (goal >= 1.5x), "
+                  f"{row['speedup_wall']:.2f}x wall; on {row['on']} off {row['off']}")
+    finally:
+        on.shutdown()
+        off.shutdown()
+    tok = constrained_micro.load_tokenizer()
+    ids = tok.encode(constrained_micro.DOCUMENT, add_special_tokens=False)
+    micro: dict[str, Any] = {"radixlang_outlines": constrained_micro.bench_radixlang(tok, ids, 3)}
+    for name, fn in (("xgrammar", constrained_micro.bench_xgrammar), ("llguidance", constrained_micro.bench_llguidance)):
+        try:
+            micro[name] = fn(tok, ids, 3) or "not installed"
+        except Exception as e:  # a peer's API drift must not lose our numbers
+            micro[name] = f"failed: {type(e).__name__}: {e}"
+    results["mask_step"] = micro
+    print("mask step (us, warm):", {k: v["mask_accept_us_warm"] if isinstance(v, dict) else v
+                                     for k, v in micro.items()})
+    print("wrote", write_result("constrained", results))
+
+
+if __name__ == "__main__":
+    main()
