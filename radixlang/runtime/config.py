@@ -32,6 +32,8 @@ class ServerArgs:
     dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA",
                     ("auto", "float32", "float16", "bfloat16"))
     device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    quantization: str | None = _f(None, "int8: weight-only int8 linears on the CPU (lossy; ~2x batch-1 decode)",
+                                  (None, "int8"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
     num_threads: int | None = _f(None, "torch CPU threads; defaults to the cores available")
     # memory and scheduling
@@ -69,7 +71,7 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

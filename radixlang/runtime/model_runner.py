@@ -12,6 +12,7 @@ from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.forward_batch import ForwardBatch
 from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.quant import quantize_model_
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class ModelRunner:
         loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
                             seed=args.random_seed, tokenizer_path=args.tokenizer_path)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        if args.quantization:
+            quantize_model_(self.model, args.quantization, self.device)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 4096) or 4096)
