@@ -91,11 +91,19 @@ def run(workloads: list[Workload], systems: list[System], model_dir: str, quick:
             try:
                 for w in workloads:
                     bar.set_postfix_str(f"{system.name}/{w.name}")
-                    table[w.name][system.name] = run_workload(w, backend, _programs(w, system, quick),
-                                                              system.concurrency)
+                    started = time.perf_counter()
+                    row = run_workload(w, backend, _programs(w, system, quick), system.concurrency)
+                    row["cell_s"] = time.perf_counter() - started
+                    table[w.name][system.name] = row
+                    # every finished cell is on disk: an interrupted run keeps what it measured
+                    write_result("latest", {"quick": quick, "partial": True, "workloads": _with_ratios(table)})
                     bar.update()
             finally:
                 close(backend)
+    return _with_ratios(table)
+
+
+def _with_ratios(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for rows in table.values():
         base = rows.get("radixlang", {}).get("programs_s")
         for row in rows.values():
@@ -132,7 +140,7 @@ def plot(table: dict[str, dict[str, Any]], systems: list[str]) -> None:
         ax.bar([x + i * width for x in range(len(names))], values, width, label=system)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(names))], names, rotation=30, ha="right")
     ax.set_ylabel("throughput / radixlang")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(RESULTS / "latest.png", dpi=120)
 
@@ -148,7 +156,7 @@ def main() -> None:
     systems = default_systems(args.concurrency)
     table = run(workloads, systems, resolve_model_dir(None), args.quick)
     print_table(table)
-    print("wrote", write_result("latest", {"quick": args.quick, "workloads": table}))
+    print("wrote", write_result("latest", {"quick": args.quick, "partial": False, "workloads": table}))
     try:
         plot(table, [s.name for s in systems])
         print("wrote", RESULTS / "latest.png")
