@@ -39,6 +39,9 @@ class Req:
     grammar_future: Any = None
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
     is_retracted: bool = False
+    # latency bookkeeping (time.monotonic seconds)
+    arrival_time: float = 0.0
+    last_token_time: float | None = None  # when the newest output token was appended
 
     @property
     def fill_ids(self) -> list[int]:

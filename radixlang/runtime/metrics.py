@@ -8,8 +8,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+_HISTOGRAMS = {"time_to_first_token_seconds": "seconds from arrival at the scheduler to the first output token",
+               "inter_token_latency_seconds": "seconds between consecutive output steps of a request",
+               "e2e_request_latency_seconds": "seconds from arrival at the scheduler to the finish"}
 _COUNTERS = {"num_requests": "requests finished", "prompt_tokens": "prompt tokens of finished requests",
              "cached_tokens": "prompt tokens served from the prefix cache",
              "generated_tokens": "tokens generated", "num_retractions": "requests retracted for lack of KV"}
@@ -33,6 +36,13 @@ class EngineCollector:
                                   / mem["kv_total_tokens"], "fraction of KV held by running requests")}
         for key, (value, doc) in gauges.items():
             yield GaugeMetricFamily(f"radixlang_{key}", doc, value=value)
+        for key, doc in _HISTOGRAMS.items():
+            h = info["latency"][key]
+            cumulative, acc = [], 0
+            for bound, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"]):
+                acc += n
+                cumulative.append((bound, acc))
+            yield HistogramMetricFamily(f"radixlang_{key}", doc, buckets=cumulative, sum_value=h["sum"])
 
 
 def make_registry(server_info: Callable[[], dict[str, Any]]) -> CollectorRegistry:

@@ -21,6 +21,7 @@ from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmas
 from radixlang.runtime.batch import Req, ScheduleBatch
 from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.io import BatchTokenIDOut, FlushCacheOut, TokenizedGenerateReq
+from radixlang.runtime.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram
 from radixlang.runtime.model_runner import ModelRunner
 from radixlang.runtime.req_cache import NoReqCache
 from radixlang.runtime.tree_cache import TreeReqCache
@@ -54,6 +55,9 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "num_requests": 0,
                       "num_retractions": 0, "forward_steps": 0, "jump_forward_tokens": 0}
         self.jump_forward = not self.args.disable_jump_forward
+        self.latency = {"time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+                        "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+                        "e2e_request_latency_seconds": Histogram(E2E_BUCKETS)}
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(self, tr: TokenizedGenerateReq) -> None:
@@ -72,7 +76,8 @@ class Scheduler:
         req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params,
                   return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
-                  eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future)
+                  eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
+                  arrival_time=time.monotonic())
         self.stats["num_requests"] += 1
         self.waiting.append(req)
 
@@ -198,6 +203,9 @@ class Scheduler:
                 break
         if not reqs:
             return None
+        logger.info("prefill batch: %d seqs, %d new tokens, %d cached tokens, %d running, %d queued, "
+                    "kv free %d / %d", len(reqs), sum(extend_lens), sum(prefix_lens), len(self.running),
+                    len(self.waiting), self.kv_pool.available_size(), self.kv_pool.size)
         locs = [self.req_to_token_pool.req_to_token[r.req_pool_idx, p:p + e].to(torch.int64)
                 for r, p, e in zip(reqs, prefix_lens, extend_lens)]
         return ScheduleBatch(mode=ForwardMode.EXTEND, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
@@ -369,12 +377,14 @@ class Scheduler:
             next_ids = None
         else:
             next_ids = sample(logits, info, self.generator)
+        now = time.monotonic()
         for i, req in enumerate(reqs):
             if req.finished:
                 continue
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
                 continue
+            self._observe_token(req, now)
             tok = int(next_ids[i])
             if req.return_logprob:
                 vals, top = compute_logprobs(raw[i:i + 1], next_ids[i:i + 1], req.top_logprobs_num)
@@ -410,6 +420,13 @@ class Scheduler:
         if g.is_terminated():
             return {"type": "stop", "matched": tok}
         return None
+
+    def _observe_token(self, req: Req, now: float) -> None:
+        if req.last_token_time is None:
+            self.latency["time_to_first_token_seconds"].observe(now - req.arrival_time)
+        else:
+            self.latency["inter_token_latency_seconds"].observe(now - req.last_token_time)
+        req.last_token_time = now
 
     # ---- jump-forward ------------------------------------------------------------------------
     def _may_jump(self, req: Req) -> bool:
@@ -479,6 +496,7 @@ class Scheduler:
             self.cache.release(req)
         self.stats["prompt_tokens"] += req.prompt_len
         self.stats["cached_tokens"] += req.cached_tokens
+        self.latency["e2e_request_latency_seconds"].observe(time.monotonic() - req.arrival_time)
         self.outputs.add(req, final=True)
 
     # ---- maintenance -----------------------------------------------------------------------
@@ -512,6 +530,7 @@ class Scheduler:
             "cache_hit_rate": (s["cached_tokens"] / s["prompt_tokens"]) if s["prompt_tokens"] else 0.0,
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
             "context_length": self.runner.context_len, "vocab_size": self.runner.vocab_size,
+            "latency": {name: h.to_dict() for name, h in self.latency.items()},
             **s,
         }
 

@@ -141,9 +141,21 @@ def test_metrics_exposed_and_counting(server):
         def value(name: str) -> float:
             text = c.get("/metrics").text
             return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
-        before = value("radixlang_num_requests_total")
-        c.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 2}})
-        assert value("radixlang_num_requests_total") == before + 1
+        names = ("radixlang_num_requests_total", "radixlang_time_to_first_token_seconds_count",
+                 "radixlang_inter_token_latency_seconds_count", "radixlang_e2e_request_latency_seconds_count")
+        before = {n: value(n) for n in names}
+        c.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        after = {n: value(n) for n in names}
+        assert after["radixlang_num_requests_total"] == before["radixlang_num_requests_total"] + 1
+        assert after["radixlang_time_to_first_token_seconds_count"] == \
+            before["radixlang_time_to_first_token_seconds_count"] + 1
+        assert after["radixlang_inter_token_latency_seconds_count"] == \
+            before["radixlang_inter_token_latency_seconds_count"] + 2  # 3 tokens: 2 gaps
+        assert after["radixlang_e2e_request_latency_seconds_count"] == \
+            before["radixlang_e2e_request_latency_seconds_count"] + 1
+        assert value('radixlang_time_to_first_token_seconds_bucket{le="+Inf"}') == \
+            after["radixlang_time_to_first_token_seconds_count"]
+        assert value("radixlang_e2e_request_latency_seconds_sum") > 0
         assert value("radixlang_kv_total_tokens") == 4096
         assert 0.0 <= value("radixlang_cache_hit_rate") <= 1.0
     assert httpx.get(server + "/metrics").status_code == 401
