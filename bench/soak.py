@@ -1,0 +1,148 @@
+"""Soak: many mixed requests at fixed concurrency against a live server; no errors, no leaks, bounded RSS.
+
+The mix cycles through free, streaming, regex- and JSON-constrained requests over a few
+shared prefixes. After the load the server must be idle with every KV slot free or cached
+(checked through /get_server_info), and its resident memory must not have grown past a bound.
+
+    python -m bench.soak                       # starts a server on the embedded model
+    python -m bench.soak --url http://127.0.0.1:30000 --requests 200 --concurrency 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+REGEX = r"(yes|no|maybe), [a-z]{2,8}"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+PREFIXES = [f"Shared context number {k}: " + " ".join(f"fact{k}_{j} is true." for j in range(40)) for k in range(4)]
+
+
+def make_requests(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = PREFIXES[i % len(PREFIXES)] + f" Question {i}:"
+        params: dict[str, Any] = {"max_new_tokens": rng.randint(4, 24), "temperature": rng.choice([0, 0.8]),
+                                  "sampling_seed": i}
+        kind = ("free", "stream", "regex", "json")[i % 4]
+        if kind == "regex":
+            params["regex"] = REGEX
+            params["max_new_tokens"] = 64
+        elif kind == "json":
+            params["json_schema"] = json.dumps(SCHEMA)
+            params["max_new_tokens"] = 96
+        out.append({"kind": kind, "body": {"text": text, "sampling_params": params, "stream": kind == "stream"}})
+    return out
+
+
+def send(client: httpx.Client, req: dict[str, Any]) -> str | None:
+    """One request; None when it succeeded and its output is valid, else what went wrong."""
+    body = req["body"]
+    if body["stream"]:
+        frames = []
+        with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                return f"stream status {r.status_code}"
+            frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        if not frames or frames[-1] != "[DONE]":
+            return "stream did not end with [DONE]"
+        return None
+    r = client.post("/generate", json=body)
+    if r.status_code != 200:
+        return f"status {r.status_code}: {r.text[:200]}"
+    out = r.json()
+    finish = out["meta_info"]["finish_reason"]["type"]
+    if req["kind"] == "regex" and finish == "stop" and not re.fullmatch(REGEX, out["text"]):
+        return f"regex output does not match: {out['text']!r}"
+    if req["kind"] == "json" and finish == "stop":
+        try:
+            doc = json.loads(out["text"])
+        except ValueError:
+            return f"json output does not parse: {out['text']!r}"
+        if not (isinstance(doc, dict) and set(doc) == {"name", "age"}):
+            return f"json output has the wrong keys: {doc!r}"
+    return None
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def soak(url: str, n: int, concurrency: int, pid: int | None = None, headers: dict | None = None,
+         time_limit_s: float = 600) -> dict[str, Any]:
+    reqs = make_requests(n)
+    with httpx.Client(base_url=url, timeout=120, headers=headers or {}) as client:
+        send(client, reqs[0])  # warm: grammars compiled, prefixes cached
+        rss_before = rss_mb(pid) if pid else None
+        started = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            errors = [e for e in pool.map(lambda r: send(client, r), reqs) if e]
+        wall = time.perf_counter() - started
+        if wall > time_limit_s:
+            errors.append(f"took {wall:.0f} s, over the {time_limit_s:.0f} s limit")
+        deadline = time.time() + 30
+        info = client.get("/get_server_info").json()
+        while (info["num_running_reqs"] or info["num_waiting_reqs"]) and time.time() < deadline:
+            time.sleep(0.2)
+            info = client.get("/get_server_info").json()
+        mem = info["memory"]
+        leaked = mem["kv_total_tokens"] - mem["kv_free_tokens"] - mem["kv_cached_tokens"]
+    rss_after = rss_mb(pid) if pid else None
+    return {"requests": n, "concurrency": concurrency, "wall_s": wall, "errors": errors,
+            "leaked_kv_slots": leaked, "running_after": info["num_running_reqs"],
+            "rss_before_mb": rss_before, "rss_after_mb": rss_after,
+            "rss_growth_mb": None if rss_before is None or rss_after is None else rss_after - rss_before}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running server; absent: start one on the embedded model")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=16)
+    args = ap.parse_args()
+    if args.url:
+        result = soak(args.url, args.requests, args.concurrency)
+    else:
+        import subprocess
+        import sys
+
+        from tests.live_server import free_port
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "radixlang.launch_server", "--port", str(port),
+                                 "--log-level", "warning"])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            result = soak(url, args.requests, args.concurrency, pid=proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(json.dumps(result, indent=2))
+    ok = not result["errors"] and result["leaked_kv_slots"] == 0
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
