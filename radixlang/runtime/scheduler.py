@@ -266,7 +266,10 @@ class Scheduler:
             return None
         while (self.kv_pool.available_size() + self.cache.evictable_size()
                < sum(r.seq_len - r.kv_len for r in self.running)):
-            self._retract_one()
+            if self.chunked_req is not None:  # a prompt stalled mid-prefill must not starve the decodes
+                self._retract_chunked()
+            else:
+                self._retract_one()
         reqs = list(self.running)
         prefix_lens = [r.kv_len for r in reqs]
         extend_lens = [r.seq_len - r.kv_len for r in reqs]
@@ -280,6 +283,18 @@ class Scheduler:
         mode = ForwardMode.DECODE if len(loc) == len(reqs) else ForwardMode.EXTEND
         return ScheduleBatch(mode=mode, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
                              out_cache_loc=loc, sample_mask=[True] * len(reqs), from_running=True)
+
+    def _retract_chunked(self) -> None:
+        """Send the half-prefilled request back to the queue; its computed chunks stay in the cache."""
+        req, self.chunked_req = self.chunked_req, None
+        self.cache.cache_unfinished(req)
+        self.cache.unlock(req.last_node)
+        self.cache.release(req)
+        req.is_retracted = True
+        self.waiting.insert(0, req)
+        self.stats["num_retractions"] += 1
+        logger.info("KV pool exhausted: retracted request %s mid-prefill (%d tokens) back to the queue",
+                    req.rid, req.prompt_len)
 
     def _retract_one(self) -> None:
         """Out of KV: send the newest running request back to the queue, keeping its tokens."""

@@ -143,6 +143,43 @@ def test_kv_exhaustion_retracts_and_finishes(tiny_model_dir):
     assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
 
 
+def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
+    # A decodes until the 400-token pool cannot also hold B's 250-token prompt; B's 32-token chunks
+    # then stall mid-prompt. B must wait as the chunked request (it was once dropped from every
+    # queue) and finish once A's KV frees up, with the same tokens as on a big pool.
+    from radixlang.runtime.config import ServerArgs
+    from radixlang.runtime.io import TokenizedGenerateReq
+    from radixlang.runtime.scheduler import Scheduler
+
+    prompt_a, prompt_b = list(range(10, 70)), list(range(100, 350))
+    params_a = {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True}
+    params_b = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    kw = dict(model_path=tiny_model_dir, load_format="dummy")
+    with Engine(**kw, max_total_tokens=8192) as big:
+        ref_a = big.generate(input_ids=prompt_a, sampling_params=params_a)["output_ids"]
+        ref_b = big.generate(input_ids=prompt_b, sampling_params=params_b)["output_ids"]
+    s = Scheduler(ServerArgs(**kw, max_total_tokens=400, chunked_prefill_size=32))
+    s.add_request(TokenizedGenerateReq(rid="a", input_ids=prompt_a, sampling_params=params_a))
+    while not s.running or len(s.running[0].output_ids) < 100:
+        s.step()
+    s.add_request(TokenizedGenerateReq(rid="b", input_ids=prompt_b, sampling_params=params_b))
+    stalled, outputs = 0, {}
+    for _ in range(2000):
+        if s.is_idle():
+            break
+        b = s.chunked_req
+        before = b.kv_len if b is not None else None
+        out = s.step()
+        if b is not None and b.rid == "b" and s.chunked_req is b and b.kv_len == before:
+            stalled += 1  # a step went by (A decoded) while B's next chunk waited for room
+        for rid, ids in zip(out.rids if out else [], out.output_ids if out else []):
+            outputs.setdefault(rid, []).extend(ids)
+    assert s.is_idle()
+    s.check_memory_leak()
+    assert stalled > 0
+    assert outputs["b"] == ref_b and len(outputs["a"]) == 150 and outputs["a"] == ref_a
+
+
 def test_abort(tiny_engine):
     it = tiny_engine.generate("abort me", {"max_new_tokens": 200, "ignore_eos": True}, stream=True, rid="to-abort")
     first = next(it)
