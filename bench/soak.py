@@ -119,26 +119,9 @@ def main() -> None:
     if args.url:
         result = soak(args.url, args.requests, args.concurrency)
     else:
-        import subprocess
-        import sys
-
-        from tests.live_server import free_port
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "radixlang.launch_server", "--port", str(port),
-                                 "--log-level", "warning"])
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 300
-            while time.time() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
-            result = soak(url, args.requests, args.concurrency, pid=proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        from radixlang.lang.backends.runtime import Runtime
+        with Runtime(log_level="warning") as runtime:  # the embedded model
+            result = soak(runtime.url, args.requests, args.concurrency, pid=runtime.pid)
     print(json.dumps(result, indent=2))
     ok = not result["errors"] and result["leaked_kv_slots"] == 0
     raise SystemExit(0 if ok else 1)

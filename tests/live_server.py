@@ -1,50 +1,20 @@
-"""Start `python -m radixlang.launch_server` on 127.0.0.1 and a free port, wait for health, stop it by PID."""
+"""A live `python -m radixlang.launch_server` for tests: 127.0.0.1, a free port, stopped by PID.
+
+A thin wrapper over the DSL's ``Runtime`` (which owns the launch, health wait and
+SIGTERM-then-SIGKILL stop), with the tiny random-weight model's defaults.
+"""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
+from typing import Any
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from radixlang.lang.backends.runtime import Runtime
 
 
 @contextlib.contextmanager
-def live_server(model_dir: str, *extra_args: str, timeout_s: float = 120) -> Iterator[str]:
-    """Yield the server's base URL; SIGTERM (then SIGKILL after 20 s) on exit."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "radixlang.launch_server", "--model-path", model_dir,
-                             "--load-format", "dummy", "--port", str(port), "--max-total-tokens", "4096",
-                             "--log-level", "warning", *extra_args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode()[-2000:])
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become healthy")
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
+def live_server(model_dir: str, **server_args: Any) -> Iterator[str]:
+    """Yield the server's base URL; ``server_args`` are ServerArgs fields overriding the test defaults."""
+    args = {"load_format": "dummy", "max_total_tokens": 4096, "log_level": "warning", **server_args}
+    with Runtime(model_path=model_dir, launch_timeout=120, **args) as runtime:
+        yield runtime.url

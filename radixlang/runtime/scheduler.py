@@ -287,12 +287,7 @@ class Scheduler:
     def _retract_chunked(self) -> None:
         """Send the half-prefilled request back to the queue; its computed chunks stay in the cache."""
         req, self.chunked_req = self.chunked_req, None
-        self.cache.cache_unfinished(req)
-        self.cache.unlock(req.last_node)
-        self.cache.release(req)
-        req.is_retracted = True
-        self.waiting.insert(0, req)
-        self.stats["num_retractions"] += 1
+        self._retract(req)
         logger.info("KV pool exhausted: retracted request %s mid-prefill (%d tokens) back to the queue",
                     req.rid, req.prompt_len)
 
@@ -300,13 +295,17 @@ class Scheduler:
         """Out of KV: send the newest running request back to the queue, keeping its tokens."""
         assert len(self.running) > 1, "a single request cannot fit the KV pool"
         req = self.running.pop()
+        self._retract(req)
+        logger.info("KV pool exhausted: retracted request %s (%d tokens) back to the queue", req.rid, req.seq_len)
+
+    def _retract(self, req: Req) -> None:
+        """Cache what the request computed, free the rest, and put it at the front of the queue."""
         self.cache.cache_unfinished(req)
         self.cache.unlock(req.last_node)
         self.cache.release(req)
         req.is_retracted = True
         self.waiting.insert(0, req)
         self.stats["num_retractions"] += 1
-        logger.info("KV pool exhausted: retracted request %s (%d tokens) back to the queue", req.rid, req.seq_len)
 
     # ---- run and post-process --------------------------------------------------------------
     def _run_batch(self, batch: ScheduleBatch) -> None:

@@ -15,7 +15,7 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with live_server(tiny_model_dir, "--api-key", KEY) as url:
+    with live_server(tiny_model_dir, api_key=KEY) as url:
         yield url
 
 

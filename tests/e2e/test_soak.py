@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 def test_soak_200_mixed_requests(tiny_model_dir):
     # a small KV pool, so 16 requests in flight also exercise queueing and retraction
-    with live_server(tiny_model_dir, "--max-total-tokens", "1024") as url:
+    with live_server(tiny_model_dir, max_total_tokens=1024) as url:
         result = soak(url, 200, 16, time_limit_s=300)
     assert result["errors"] == [], result["errors"][:5]
     assert result["leaked_kv_slots"] == 0 and result["running_after"] == 0, result
