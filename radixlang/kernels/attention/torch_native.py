@@ -76,8 +76,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             if loc is None:
                 ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
-                ki = k_buf[loc].transpose(0, 1)  # [num_kv_heads, total, head_dim]
-                vi = v_buf[loc].transpose(0, 1)
+                ki = k_buf.index_select(0, loc).transpose(0, 1)  # [num_kv_heads, total, head_dim]
+                vi = v_buf.index_select(0, loc).transpose(0, 1)
             causal = mask is None and extend_len > 1
             if gqa and extend_len > 1:
                 # torch's CPU flash kernel does not take enable_gqa (the math path is ~5x slower on a
@@ -96,8 +96,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _attend_one_each(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor,
                          mask: torch.Tensor | None, layer: AttentionLayerLike) -> torch.Tensor:
         """One query per request over its padded KV rows: q [n, num_heads, head_dim] -> same shape."""
-        ki = k_buf[loc].transpose(1, 2)  # [n, num_kv_heads, max_len, head_dim]
-        vi = v_buf[loc].transpose(1, 2)
+        # index_select on the flat slots is ~3x faster on the CPU than advanced indexing with a 2-D index
+        n, max_len = loc.shape
+        ki = k_buf.index_select(0, loc.view(-1)).view(n, max_len, *k_buf.shape[1:]).transpose(1, 2)
+        vi = v_buf.index_select(0, loc.view(-1)).view(n, max_len, *v_buf.shape[1:]).transpose(1, 2)
+        # ki, vi [n, num_kv_heads, max_len, head_dim]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), ki, vi, attn_mask=mask, scale=layer.scaling,
                                              enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out.squeeze(2)
