@@ -5,8 +5,9 @@
 Prints ratios measured in this run: batch-1 greedy decode tokens/s, 32 mixed-length
 concurrent requests against transformers doing them one by one, prefill tokens/s on
 a 1,000-token prompt, the machine's copy bandwidth, and the batch-1 decode step as a
-multiple of the physical floor (weights bytes / bandwidth). Then batch-1 decode and the 32
-requests again with ``quantization="int8"`` (weight-only, lossy) against the same baseline.
+multiple of the physical floor (weights bytes / bandwidth). Then the same three runs with
+``quantization="int8"`` (weight-only) and ``dtype="bfloat16"``, both lossy, against the same fp32
+baseline, with how many greedy tokens each keeps equal to fp32's.
 """
 from __future__ import annotations
 
@@ -76,28 +77,38 @@ def main() -> None:
     }
     engine.shutdown()
 
-    # the same decode runs with --quantization int8 (weight-only; lossy), against the same baseline
-    q8 = Engine(max_total_tokens=32768, num_threads=threads(), quantization="int8")
-    q8.generate(input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 4})
-    out_q8, t_q8 = timed(q8.generate, input_ids=prompt, sampling_params=greedy)
-    _, t_q8_pre = timed(q8.generate, input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 1})
-    q8_b1 = (new_tokens - 1) / max(t_q8 - t_q8_pre, 1e-9)
-    _, t_q8_batch = timed(q8.generate, input_ids=prompts, sampling_params=batch_params)
-    q8.shutdown()
-    same = next((i for i, (a, b) in enumerate(zip(out["output_ids"], out_q8["output_ids"])) if a != b), new_tokens)
-    rows["int8_decode_batch1_tok_s"] = {"radixlang": q8_b1, "transformers": hf_b1, "ratio": q8_b1 / hf_b1,
-                                        "greedy_tokens_equal_to_fp32": same}
-    rows["int8_batch32_tok_s"] = {"radixlang": 32 * new_tokens / t_q8_batch, "transformers_sequential": hf_seq,
-                                  "ratio": 32 * new_tokens / t_q8_batch / hf_seq}
+    # the same runs in the lossy fast modes, against the same fp32 baseline: weight-only int8, and
+    # bfloat16 weights/activations/KV (fast on CPUs with AVX512-BF16 or AMX; slow elsewhere)
+    variants = {"int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+    for name, extra in variants.items():
+        eng = Engine(max_total_tokens=32768, num_threads=threads(), **extra)
+        eng.generate(input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 4})
+        out_v, t_v = timed(eng.generate, input_ids=prompt, sampling_params=greedy)
+        _, t_v_pre = timed(eng.generate, input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 1})
+        v_b1 = (new_tokens - 1) / max(t_v - t_v_pre, 1e-9)
+        _, t_v_batch = timed(eng.generate, input_ids=prompts, sampling_params=batch_params)
+        eng.flush_cache()
+        _, t_v_fill = timed(eng.generate, input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
+        eng.shutdown()
+        same = next((i for i, (a, b) in enumerate(zip(out["output_ids"], out_v["output_ids"])) if a != b),
+                    new_tokens)
+        rows[f"{name}_decode_batch1_tok_s"] = {"radixlang": v_b1, "transformers": hf_b1, "ratio": v_b1 / hf_b1,
+                                               "greedy_tokens_equal_to_fp32": same}
+        rows[f"{name}_batch32_tok_s"] = {"radixlang": 32 * new_tokens / t_v_batch, "transformers_sequential": hf_seq,
+                                         "ratio": 32 * new_tokens / t_v_batch / hf_seq}
+        rows[f"{name}_prefill_1000_tok_s"] = {"radixlang": 1000 / t_v_fill, "transformers": 1000 / t_hf_fill,
+                                              "ratio": t_hf_fill / t_v_fill}
     print(f"{'metric':28s} {'radixlang':>12s} {'transformers':>13s} {'ratio':>7s}")
-    for k in ("decode_batch1_tok_s", "batch32_tok_s", "prefill_1000_tok_s", "int8_decode_batch1_tok_s",
-              "int8_batch32_tok_s"):
+    for k in [f"{v}{m}" for v in ("", *(f"{n}_" for n in variants))
+              for m in ("decode_batch1_tok_s", "batch32_tok_s", "prefill_1000_tok_s")]:
         r = rows[k]
         base = r.get("transformers", r.get("transformers_sequential"))
         print(f"{k:28s} {r['radixlang']:12.1f} {base:13.1f} {r['ratio']:6.2f}x")
     print(f"copy bandwidth {bw:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB; batch-1 step "
           f"{step_s * 1e3:.1f} ms = {step_s / floor_s:.2f}x the floor ({floor_s * 1e3:.1f} ms)")
-    print(f"int8: the first {same} of {new_tokens} greedy tokens equal fp32's")
+    for name in variants:
+        same = rows[f"{name}_decode_batch1_tok_s"]["greedy_tokens_equal_to_fp32"]
+        print(f"{name}: the first {same} of {new_tokens} greedy tokens equal fp32's")
     print("wrote", write_result("engine_throughput", rows))
 
 

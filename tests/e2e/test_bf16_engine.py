@@ -1,0 +1,32 @@
+"""bfloat16 on the CPU: the whole model, its activations and the KV pool in bf16 (``dtype="bfloat16"``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+
+def test_engine_bf16_scores_like_fp32(tiny_model_dir, tiny_engine):
+    from radixlang import Engine
+    prompt = list(range(5, 45))
+    ref = tiny_engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                               logprob_start_len=0)
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048, dtype="bfloat16") as bf:
+        runner = bf.scheduler.runner
+        assert runner.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert runner.kv_pool.get_key_buffer(0).dtype == torch.bfloat16
+        out = bf.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                          logprob_start_len=0)
+        # a shared prefix, decode and a mixed batch all run in bf16 and keep the pool whole
+        batch = bf.generate(input_ids=[prompt + [7, 8], prompt + [9]],
+                            sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert [o["meta_info"]["completion_tokens"] for o in batch] == [6, 6]
+        assert batch[1]["meta_info"]["cached_tokens"] > 0
+        bf.flush_cache()
+        bf.check_memory_leak()
+    a = torch.tensor([lp for lp, _, _ in ref["meta_info"]["input_token_logprobs"][1:]])
+    b = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    assert len(b) == len(prompt) - 1 and torch.isfinite(b).all()
+    diff = (a - b).abs()
+    assert 0 < diff.max() < 0.1 * a.abs().mean(), (diff.max(), a.abs().mean())
