@@ -19,7 +19,8 @@ from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.distributed import DistComm, send_step, send_stop
 from radixlang.runtime.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.llama import check_tensor_parallel
+from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.quant import quantize_model_
 from radixlang.runtime.tp_worker import TPLeader
 
@@ -44,9 +45,20 @@ class ModelRunner:
         self.args = args
         self.device = args.device
         self.dtype = _DTYPES[args.dtype]
-        self.tp_leader = TPLeader.start(args) if args.tp_size > 1 and tp is None else None
+        self.tp_leader = None
+        if args.tp_size > 1 and tp is None:  # rank 0: refuse a bad split before starting any process
+            check_tensor_parallel(read_config(resolve_model_dir(args.model_path, args.load_format)), args.tp_size)
+            self.tp_leader = TPLeader.start(args)
         self.tp = tp if self.tp_leader is None else self.tp_leader.comm
         self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
+        try:
+            self._build(args)
+        except BaseException:
+            if self.tp_leader is not None:
+                self.tp_leader.abort()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
         loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
                             seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer

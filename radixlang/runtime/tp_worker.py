@@ -68,6 +68,12 @@ class TPLeader:
         self.comm.close()
         atexit.unregister(self._terminate)
 
+    def abort(self) -> None:
+        """Rank 0 failed while starting: kill the followers (they wait on a message that never comes)."""
+        self._terminate()
+        self.comm.close()
+        atexit.unregister(self._terminate)
+
     def _terminate(self) -> None:
         _terminate_all(self.procs)
 

@@ -53,6 +53,13 @@ def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
+    """A ValueError when the model's heads or MLP do not split over ``tp_size`` ranks (before any rank starts)."""
+    heads = config.num_attention_heads
+    kv_heads_per_rank(heads, getattr(config, "num_key_value_heads", None) or heads, tp_size)
+    split_evenly(config.intermediate_size, tp_size, "intermediate (MLP) features")
+
+
 def _row_linear(in_features: int, out_features: int, tp: TPComm | None) -> nn.Linear:
     if tp is None:
         return nn.Linear(in_features, out_features, bias=False)

@@ -56,17 +56,25 @@ def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
 
 
-def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
-               device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None,
-               tp: TPComm | None = None) -> LoadedModel:
-    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer
+def read_config(folder: str) -> Any:
+    """The model's transformers config; a ValueError for an architecture we have no model code for."""
+    from transformers import AutoConfig
 
-    folder = resolve_model_dir(model_path, load_format)
     config = AutoConfig.from_pretrained(folder)
     archs = set(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ValueError(f"architecture {sorted(archs)} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
+    return config
+
+
+def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
+               device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None,
+               tp: TPComm | None = None) -> LoadedModel:
+    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_dir(model_path, load_format)
+    config = read_config(folder)
     model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
