@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import subprocess
+import sys
 
 import pytest
 
 from radixlang import Engine
 from radixlang.runtime.config import ServerArgs
+from radixlang.runtime.distributed import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -52,18 +55,43 @@ def _tp_children() -> list:
     return [p for p in mp.active_children() if p.name.startswith("radixlang-tp")]
 
 
-def test_tp2_matches_tp1_on_the_tiny_model(tiny_model_dir):
-    kw = dict(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024, chunked_prefill_size=32)
-    with Engine(**kw) as single:
-        want = _run(single)
-    with Engine(**kw, tp_size=2) as engine:
+def _tiny_kw(tiny_model_dir: str) -> dict:
+    return dict(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024, chunked_prefill_size=32)
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(tiny_model_dir) -> list[dict]:
+    with Engine(**_tiny_kw(tiny_model_dir)) as single:
+        return _run(single)
+
+
+def test_tp2_matches_tp1_on_the_tiny_model(tiny_model_dir, tp1_outputs):
+    with Engine(**_tiny_kw(tiny_model_dir), tp_size=2) as engine:
         followers = engine.scheduler.runner.tp_leader.procs
         assert len(followers) == 1 and followers[0].is_alive()
         assert engine.scheduler.runner.model.num_heads == 2  # this rank's half of the 4 heads
         got = _run(engine)
-    _assert_same(got, want)
+    _assert_same(got, tp1_outputs)
     assert followers[0].exitcode == 0  # stopped by the stop message, not killed
     assert not _tp_children()
+
+
+def test_two_node_launch_on_one_machine(tiny_model_dir, tp1_outputs):
+    """Node 1 is `launch_server --node-rank 1` (its rank only, no HTTP); node 0 is the Engine."""
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "radixlang.launch_server", "--model-path", tiny_model_dir,
+                              "--load-format", "dummy", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
+                              "--dist-init-addr", addr, "--log-level", "warning"])
+    try:
+        with Engine(**_tiny_kw(tiny_model_dir), tp_size=2, nnodes=2, dist_init_addr=addr) as engine:
+            assert engine.scheduler.runner.tp_leader.procs == []  # its only other rank is on "node 1"
+            got = _run(engine)
+        assert node1.wait(timeout=30) == 0  # node 1's rank ended at rank 0's stop message
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    _assert_same(got, tp1_outputs)
 
 
 def test_bad_tp_size_is_refused_before_any_rank_starts(tiny_model_dir):
@@ -84,6 +112,7 @@ def test_bad_parallel_args_are_refused(kw, message):
         ServerArgs(**kw)
 
 
+@pytest.mark.slow  # three processes on two cores; bench/tp.py runs the same comparison
 def test_tp3_matches_tp1_on_smollm2(smollm_path):
     """SmolLM2 has 9 heads and 3 kv heads: three ranks of 3 heads and 1 kv head each."""
     kw = dict(model_path=smollm_path, max_total_tokens=512)

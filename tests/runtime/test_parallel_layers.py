@@ -128,6 +128,7 @@ def _prefill_then_decode(model: LlamaForCausalLM, ids: list[int]) -> torch.Tenso
 @pytest.mark.parametrize("kw,size", [
     ({}, 2),  # 4 heads / 2 kv heads: both split
     ({}, 4),  # 2 kv heads over 4 ranks: replicated
+    ({"hidden": 72, "heads": 9, "kv_heads": 3}, 3),  # SmolLM2's 9 heads / 3 kv heads at tp=3
     ({"tie": False, "model_type": "qwen2"}, 2),  # untied lm_head, q/k/v biases
 ])
 def test_sharded_model_matches_single_rank(tmp_path, kw, size):
