@@ -71,7 +71,9 @@ def free_port() -> int:
 def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) -> None:
     """Rank 0: broadcast one forward's inputs and the req_to_token entries the batch reads."""
     seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.int64)
-    # the KV slots of every token of every request in the batch, up to its length after this step
+    # the KV slots of every token of every request in the batch, up to its length after this step: whole
+    # rows, not just the new slots, because rank 0 rewrites rows between steps (a radix-cache insert points
+    # a running request at the tree's copy of its prefix and frees its duplicate slots for reuse)
     r2t = torch.cat([req_to_token[i, :n] for i, n in zip(inputs.req_pool_indices.tolist(), inputs.seq_lens)])
     header = [MSG_STEP, int(inputs.mode), len(inputs.seq_lens), int(inputs.input_ids.numel()),
               int(inputs.logit_rows.numel()), int(r2t.numel())]
