@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -92,6 +94,32 @@ def test_two_node_launch_on_one_machine(tiny_model_dir, tp1_outputs):
             node1.kill()
             node1.wait()
     _assert_same(got, tp1_outputs)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_follower_exits_when_rank_0_is_killed(tiny_model_dir):
+    code = ("import sys; from radixlang import Engine; "
+            f"e = Engine(model_path={tiny_model_dir!r}, load_format='dummy', max_total_tokens=256, tp_size=2); "
+            "print(e.scheduler.runner.tp_leader.procs[0].pid, flush=True); sys.stdin.read()")
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        follower = int(rank0.stdout.readline())
+        assert _alive(follower)
+    finally:
+        rank0.kill()  # SIGKILL: no atexit, no stop message
+        rank0.wait()
+    deadline = time.monotonic() + 20
+    while _alive(follower) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(follower)
 
 
 def test_bad_tp_size_is_refused_before_any_rank_starts(tiny_model_dir):
