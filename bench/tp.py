@@ -12,6 +12,7 @@ The embedded SmolLM2 has 9 heads and 3 kv heads: N must be 3 or 9 for it.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 from bench.common import timed, write_result
@@ -58,8 +59,10 @@ def main() -> None:
         print(f"{key:24s} {one[key]:10.1f} {many[key]:10.1f} {many[key] / one[key]:6.2f}x")
     print(f"greedy tokens equal: {same}; threads per rank: tp=1 {one['num_threads_per_rank']}, "
           f"tp={args.tp_size} {many['num_threads_per_rank']}")
+    # other work on a shared machine moves absolute speeds: its load is kept beside them
     print("wrote", write_result("tp", {"tp_size": args.tp_size, "model": args.model_path or "SmolLM2-135M-Instruct",
-                                       "greedy_tokens_equal": same, **results}))
+                                       "greedy_tokens_equal": same, "load_average_1m": os.getloadavg()[0],
+                                       **results}))
 
 
 if __name__ == "__main__":
