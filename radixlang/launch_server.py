@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger("radixlang.launch_server")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the server", args.host)
+    if args.node_rank > 0:  # a tensor-parallel node without the scheduler: run its ranks only
+        from radixlang.runtime.tp_worker import run_node
+        run_node(args)
+        return
     import uvicorn
 
     from radixlang.runtime.engine import Engine

@@ -35,7 +35,8 @@ class ServerArgs:
     quantization: str | None = _f(None, "int8: weight-only int8 linears on the CPU (lossy; ~2x batch-1 decode)",
                                   (None, "int8"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
-    num_threads: int | None = _f(None, "torch CPU threads; defaults to the cores available")
+    num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "
+                                          "divided among a node's tensor-parallel ranks")
     # memory and scheduling
     max_total_tokens: int | None = _f(None, "KV pool size in tokens; defaults from mem_fraction_static")
     mem_fraction_static: float = _f(0.15, "fraction of free memory for the KV pool when max_total_tokens is unset")
@@ -63,7 +64,13 @@ class ServerArgs:
     log_level: str = _f("info", "logging level", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "log every request's inputs and outputs")
     # scale out
-    tp_size: int = _f(1, "tensor-parallel ranks")
+    tp_size: int = _f(1, "tensor-parallel ranks: one process each, every layer split across them "
+                         "(gloo on the CPU, nccl on CUDA with one GPU per rank)")
+    nnodes: int = _f(1, "machines the tensor-parallel ranks span; tp_size ranks are split evenly over them")
+    node_rank: int = _f(0, "this machine's index among nnodes; node 0 runs the scheduler and rank 0, the "
+                           "others run only their ranks' forwards")
+    dist_init_addr: str | None = _f(None, "host:port where rank 0 hosts torch.distributed's rendezvous; "
+                                          "required with nnodes > 1; default: 127.0.0.1 and a free port")
     dp_size: int = _f(1, "data-parallel replicas")
 
     def __post_init__(self) -> None:
@@ -75,12 +82,26 @@ class ServerArgs:
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_parallel()
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
+
+    def _check_parallel(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size must be a multiple of nnodes, got tp_size {self.tp_size}, nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, reachable from every node)")
+        if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.quantization:
+            raise ValueError(f"quantization {self.quantization!r} is not supported with tp_size > 1, "
+                             f"got tp_size {self.tp_size}")
 
     def resolve(self) -> ServerArgs:
         """Resolve every "auto" once and log the choice."""
@@ -96,7 +117,8 @@ class ServerArgs:
         if self.attention_backend == "auto":
             changes["attention_backend"] = _pick_attention_backend(device)
         if self.num_threads is None and device == "cpu":
-            changes["num_threads"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            changes["num_threads"] = max(1, cores // (self.tp_size // self.nnodes))  # a node's ranks share its cores
         if changes:
             logger.info("resolved: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
         return dataclasses.replace(self, **changes)

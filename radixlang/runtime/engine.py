@@ -267,6 +267,7 @@ class Engine:
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        self.scheduler.runner.shutdown()  # tensor-parallel follower processes, if any
 
     def __enter__(self) -> Engine:
         return self

@@ -28,3 +28,19 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(eq=False, kw_only=True)
+class StepInputs:
+    """One forward's inputs as host data: what rank 0 builds from a ScheduleBatch and, under tensor
+    parallelism, broadcasts so every rank runs the same forward."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64 cpu
+    positions: torch.Tensor  # [num_tokens] int64 cpu
+    req_pool_indices: torch.Tensor  # [bs] int64 cpu
+    seq_lens: list[int]  # [bs], after this step
+    prefix_lens: list[int]  # [bs]
+    extend_lens: list[int]  # [bs]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    logit_rows: torch.Tensor  # [num_rows] int64: token rows whose logits are returned

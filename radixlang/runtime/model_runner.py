@@ -1,7 +1,14 @@
-"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward per step."""
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward per step.
+
+With ``tp_size > 1`` the runner built by the scheduler is rank 0: it starts the follower ranks
+(runtime/tp_worker.py), holds its own slice of the model, and broadcasts every step's inputs before
+running the forward itself. Followers build the same runner with their ``tp`` group and run the
+steps they receive.
+"""
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -9,10 +16,13 @@ from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.batch import ScheduleBatch
 from radixlang.runtime.config import ServerArgs
-from radixlang.runtime.forward_batch import ForwardBatch
+from radixlang.runtime.distributed import DistComm, send_step, send_stop
+from radixlang.runtime.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.llama import check_tensor_parallel
+from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.quant import quantize_model_
+from radixlang.runtime.tp_worker import TPLeader
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +40,27 @@ def _create_attn_backend(name: str, **kw):
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, *, tp: DistComm | None = None) -> None:
+        """``tp``: a follower's group; rank 0 (``tp`` None, ``args.tp_size > 1``) starts the followers itself."""
         self.args = args
         self.device = args.device
         self.dtype = _DTYPES[args.dtype]
+        self.tp_leader = None
+        if args.tp_size > 1 and tp is None:  # rank 0: refuse a bad split before starting any process
+            check_tensor_parallel(read_config(resolve_model_dir(args.model_path, args.load_format)), args.tp_size)
+            self.tp_leader = TPLeader.start(args)
+        self.tp = tp if self.tp_leader is None else self.tp_leader.comm
+        self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
+        try:
+            self._build(args)
+        except BaseException:
+            if self.tp_leader is not None:
+                self.tp_leader.abort()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
         loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
-                            seed=args.random_seed, tokenizer_path=args.tokenizer_path)
+                            seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device)
@@ -45,6 +70,9 @@ class ModelRunner:
         self.context_len = min(args.context_length or model_ctx, model_ctx)
         self.max_total_tokens = args.max_total_tokens or self._auto_kv_tokens()
         self.max_running = min(args.max_running_requests, self.max_total_tokens)
+        if self.tp is not None:  # every rank sizes its pools like rank 0: same slots, its own heads
+            self.max_total_tokens, self.max_running, self.context_len = self.tp.broadcast_ints(
+                [self.max_total_tokens, self.max_running, self.context_len])
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
         self.kv_pool = TokenToKVPool(self.max_total_tokens, num_layers=self.hf_config.num_hidden_layers,
                                      num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
@@ -52,9 +80,9 @@ class ModelRunner:
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype)
-        logger.info("model %s: %d layers, kv pool %d tokens, context %d, attention %s",
+        logger.info("model %s: %d layers, kv pool %d tokens, context %d, attention %s%s",
                     self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens, self.context_len,
-                    args.attention_backend)
+                    args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
 
     def _auto_kv_tokens(self) -> int:
         per_token = TokenToKVPool.bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
@@ -69,6 +97,14 @@ class ModelRunner:
 
     def forward(self, batch: ScheduleBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one forward pass; return logits [len(logit_rows), vocab] float32 of the given token rows."""
+        inputs = self._step_inputs(batch, logit_rows)
+        if self.tp_leader is None:
+            return self.run_step(inputs)
+        with self._tp_lock:
+            send_step(self.tp, inputs, self.req_to_token_pool.req_to_token)
+            return self.run_step(inputs)
+
+    def _step_inputs(self, batch: ScheduleBatch, logit_rows: torch.Tensor) -> StepInputs:
         reqs = batch.reqs
         if batch.mode is ForwardMode.DECODE:
             input_ids = [r.last_token for r in reqs]
@@ -80,19 +116,39 @@ class ModelRunner:
                 input_ids.extend(r.tokens(pre, pre + ext))
                 positions.extend(range(pre, pre + ext))
                 seq_lens.append(pre + ext)
+        return StepInputs(mode=batch.mode, input_ids=torch.tensor(input_ids, dtype=torch.int64),
+                          positions=torch.tensor(positions, dtype=torch.int64),
+                          req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+                          seq_lens=seq_lens, prefix_lens=list(batch.prefix_lens),
+                          extend_lens=list(batch.extend_lens), out_cache_loc=batch.out_cache_loc,
+                          logit_rows=logit_rows)
+
+    def run_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the host."""
+        dev = self.device
         fb = ForwardBatch(
-            forward_mode=batch.mode, batch_size=len(reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device), seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(batch.prefix_lens), extend_seq_lens_cpu=list(batch.extend_lens),
-            out_cache_loc=batch.out_cache_loc.to(self.device), req_to_token=self.req_to_token_pool.req_to_token,
+            forward_mode=inputs.mode, batch_size=len(inputs.seq_lens), input_ids=inputs.input_ids.to(dev),
+            positions=inputs.positions.to(dev), req_pool_indices=inputs.req_pool_indices.to(dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=inputs.seq_lens,
+            extend_prefix_lens_cpu=inputs.prefix_lens, extend_seq_lens_cpu=inputs.extend_lens,
+            out_cache_loc=inputs.out_cache_loc.to(dev), req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         self.attn_backend.init_forward_metadata(fb)
         with torch.inference_mode():
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden]
-            return self.model.compute_logits(hidden[logit_rows.to(self.device)]).cpu()
+            return self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).cpu()
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the follower ranks and leave the group. Idempotent; a no-op without TP."""
+        leader, self.tp_leader = self.tp_leader, None
+        if leader is None:
+            return
+        if self._tp_lock.acquire(timeout=5.0):  # a step in flight would interleave with the stop message
+            try:
+                send_stop(self.tp)
+            finally:
+                self._tp_lock.release()
+        leader.stop()
 
 
 def _host_available_bytes() -> int:

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) whose attention runs through the AttentionBackend.
 
 q/k/v and gate/up are fused into one matmul each: on a CPU at batch 1 the
-number of ops per layer matters as much as their size.
+number of ops per layer matters as much as their size. With a tensor-parallel
+group (``tp``), each rank holds its heads and its slice of the MLP and vocabulary
+(models/parallel.py) and ``load_weights`` takes the rank's slice of each tensor;
+without one the layers are the plain torch modules.
 """
 from __future__ import annotations
 
@@ -11,6 +14,10 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
+                                               kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
+                                               split_evenly)
 
 
 class RMSNorm(nn.Module):
@@ -46,19 +53,35 @@ def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
+    """A ValueError when the model's heads or MLP do not split over ``tp_size`` ranks (before any rank starts)."""
+    heads = config.num_attention_heads
+    kv_heads_per_rank(heads, getattr(config, "num_key_value_heads", None) or heads, tp_size)
+    split_evenly(config.intermediate_size, tp_size, "intermediate (MLP) features")
+
+
+def _row_linear(in_features: int, out_features: int, tp: TPComm | None) -> nn.Linear:
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, tp=tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        # the heads this rank holds
+        self.num_heads, self.num_kv_heads = ((total_heads, total_kv_heads) if tp is None
+                                             else kv_heads_per_rank(total_heads, total_kv_heads, tp.size))
         self.scaling = self.head_dim ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         # x [num_tokens, hidden]; cos/sin [num_tokens, head_dim]
@@ -81,11 +104,12 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
+        full = config.intermediate_size
+        self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.down_proj = _row_linear(full, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -93,10 +117,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int) -> None:
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,14 +130,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 tp: TPComm | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp = tp
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
+                             else VocabParallelEmbedding(vocab, hidden, tp=tp))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = (nn.Linear(hidden, vocab, bias=False) if tp is None
+                            else ParallelLMHead(vocab, hidden, tp=tp))
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
@@ -136,12 +168,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
-        return self.lm_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tp is not None:
+            return self.embed_tokens.logits(hidden).float()  # gathered over the ranks: [n, vocab]
+        return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up."""
+        """Load HF-named full tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up.
+
+        Under tensor parallelism each tensor is first cut to this rank's slice.
+        """
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -153,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")
+            if self.tp is not None and len(parts) >= 2:
+                tensor = self._rank_slice(parts[-2], tensor)
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join(parts[:-2] + [target, parts[-1]])
@@ -173,8 +212,23 @@ class LlamaForCausalLM(nn.Module):
         if target == "qkv_proj":
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = self.config.intermediate_size
+        inter = self.layers[0].mlp.inter
         return (shard * inter, inter)
+
+    def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor; ``kind`` is the module name (q_proj, ...)."""
+        rank, size = self.tp.rank, self.tp.size
+        if kind in ("q_proj", "gate_proj", "up_proj"):  # output rows: this rank's heads / MLP features
+            return shard_tensor(tensor, rank, size, dim=0)
+        if kind in ("k_proj", "v_proj"):  # this rank's kv heads, replicated when there are fewer than ranks
+            total_kv = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+            first, end = kv_head_range(total_kv, rank, size)
+            return tensor[first * self.head_dim:end * self.head_dim]
+        if kind in ("o_proj", "down_proj"):  # input columns of [out, in]
+            return shard_tensor(tensor, rank, size, dim=1)
+        if kind in ("embed_tokens", "lm_head"):
+            return shard_vocab(tensor, rank, size)
+        return tensor  # norms are replicated
 
 
 EntryClass = LlamaForCausalLM

@@ -12,6 +12,7 @@ import torch
 
 from radixlang.runtime.models.gguf_convert import ensure_converted
 from radixlang.runtime.models.llama import LlamaForCausalLM
+from radixlang.runtime.models.parallel import TPComm
 
 logger = logging.getLogger(__name__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,18 +56,28 @@ def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
 
 
-def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
-               device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+def read_config(folder: str) -> Any:
+    """The model's transformers config; a ValueError for an architecture we have no model code for."""
+    from transformers import AutoConfig
 
-    folder = resolve_model_dir(model_path, load_format)
     config = AutoConfig.from_pretrained(folder)
     archs = set(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ValueError(f"architecture {sorted(archs)} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    return config
+
+
+def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
+               device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None,
+               tp: TPComm | None = None) -> LoadedModel:
+    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_dir(model_path, load_format)
+    config = read_config(folder)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
-        _init_random(model, seed)
+        model.load_weights(random_weights(config, seed))
     else:
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         if not files:
@@ -86,10 +97,27 @@ def _iter_safetensors(files: list[str]):
                 yield name, handle.get_tensor(name)
 
 
-def _init_random(model: torch.nn.Module, seed: int) -> None:
+def random_weights(config: Any, seed: int):
+    """Full-size random tensors under their checkpoint names, the same for every tp size given the seed.
+
+    Drawn in the order and shapes of the single-rank model's parameters (norms are ones), then the fused
+    q/k/v and gate/up tensors are cut into their checkpoint pieces; each rank slices what it holds.
+    """
+    with torch.device("meta"):
+        full = LlamaForCausalLM(config, device="meta")
+    attn, inter = full.layers[0].self_attn, full.layers[0].mlp.inter
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in full.named_parameters():
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
+            yield name, torch.ones(p.shape)
+            continue
+        t = torch.randn(p.shape, generator=gen) * 0.02
+        prefix, _, leaf = name.rpartition(".")
+        owner, _, kind = prefix.rpartition(".")
+        if kind == "qkv_proj":
+            pieces = t.split([attn.q_size, attn.kv_size, attn.kv_size])
+            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("q_proj", "k_proj", "v_proj"), pieces))
+        elif kind == "gate_up_proj":
+            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), t.split(inter)))
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            yield name, t

@@ -1,0 +1,154 @@
+"""Tensor-parallel layers: each rank holds a slice of a weight and the ranks combine results.
+
+Megatron-style splits of the Llama block:
+- column-parallel (fused q/k/v, fused gate/up): each rank owns some output features (its heads,
+  its slice of the MLP) and needs no communication; it is a plain ``nn.Linear`` of the local size,
+  sharded at load time by ``shard_tensor``;
+- row-parallel (o_proj, down_proj): each rank owns some input features, computes a partial sum,
+  and the ranks all-reduce it;
+- vocab-parallel embedding and logits: each rank owns a contiguous range of the (padded)
+  vocabulary; lookups outside the range give zeros and are summed away by an all-reduce; the
+  logits of every range are all-gathered into the full vocabulary.
+
+The model builds these only when ``tp.size > 1``; a single rank keeps plain layers and no
+communication at all. ``TPComm`` is the one thing the layers need from a process group, so tests can
+run the ranks in threads.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TPComm(Protocol):
+    """A tensor-parallel group as the layers see it. Every rank calls the same ops in the same order."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (may reuse ``x``'s storage)."""
+        ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` [..., n] concatenated in rank order along the last dim -> [..., size * n]."""
+        ...
+
+
+def split_evenly(total: int, size: int, what: str) -> int:
+    """Per-rank share of ``total`` units; a ValueError naming ``what`` when it does not divide."""
+    if total % size:
+        raise ValueError(f"tensor parallelism needs {what} divisible by tp_size: {total} {what} "
+                         f"cannot be split over {size} ranks")
+    return total // size
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, size: int) -> tuple[int, int]:
+    """(query heads, kv heads) held by each rank.
+
+    Query heads are split evenly. KV heads are split evenly when there are at least as many as
+    ranks; with fewer, each rank keeps the one kv head its query heads read (replicated), which
+    needs ``size`` to be a multiple of the kv heads.
+    """
+    if num_heads % size:
+        raise ValueError(f"tp_size {size} does not divide the model's {num_heads} attention heads "
+                         f"({num_kv_heads} kv heads); uneven head splits are not supported, "
+                         f"use a tp_size that divides {num_heads}")
+    if num_kv_heads >= size:
+        if num_kv_heads % size:
+            raise ValueError(f"tp_size {size} does not divide the model's {num_kv_heads} kv heads "
+                             f"({num_heads} attention heads)")
+        return num_heads // size, num_kv_heads // size
+    if size % num_kv_heads:
+        raise ValueError(f"tp_size {size} is larger than the model's {num_kv_heads} kv heads but not a "
+                         f"multiple of them, so kv heads cannot be replicated evenly")
+    return num_heads // size, 1
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """[first, end) of the full model's kv heads that ``rank`` holds."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    first = rank * num_kv_heads // size  # ranks sharing a replicated head are adjacent
+    return first, first + 1
+
+
+def shard_tensor(x: torch.Tensor, rank: int, size: int, *, dim: int = 0) -> torch.Tensor:
+    """The ``rank``-th of ``size`` equal slices of ``x`` along ``dim`` (a view)."""
+    n = x.shape[dim]
+    assert n % size == 0, f"dim {dim} of size {n} does not split over {size} ranks"
+    per = n // size
+    return x.narrow(dim, rank * per, per)
+
+
+def padded_vocab(vocab_size: int, size: int) -> int:
+    """The vocabulary rounded up so every rank holds the same number of rows."""
+    return -(-vocab_size // size) * size
+
+
+def shard_vocab(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows of an embedding / lm_head [vocab, hidden] for ``rank``, zero-padded past the vocabulary."""
+    per = padded_vocab(x.shape[0], size) // size
+    start = rank * per
+    rows = x[start:start + per]
+    if rows.shape[0] < per:
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], *rows.shape[1:])])
+    return rows
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x W^T summed over ranks: each rank holds ``in_features / size`` input columns of W."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp: TPComm, bias: bool = False) -> None:
+        super().__init__(split_evenly(in_features, tp.size, "input features"), out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [n, in_features / size] -> [n, out_features]; the bias is added once, after the sum
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds rows [rank * per, (rank + 1) * per) of the padded vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden: int, *, tp: TPComm) -> None:
+        self.per_rank = padded_vocab(vocab_size, tp.size) // tp.size
+        super().__init__(self.per_rank, hidden)
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start = tp.rank * self.per_rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [n] int64 -> [n, hidden]; ids outside this rank's range look up row 0 and are zeroed
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab_size] over the full vocabulary (tied weights)."""
+        return vocab_parallel_logits(hidden, self.weight, self.tp, self.vocab_size)
+
+
+class ParallelLMHead(nn.Module):
+    """An untied lm_head split by vocabulary rows like ``VocabParallelEmbedding``."""
+
+    def __init__(self, vocab_size: int, hidden: int, *, tp: TPComm) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded_vocab(vocab_size, tp.size) // tp.size, hidden))
+        self.tp = tp
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(hidden, self.weight, self.tp, self.vocab_size)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPComm, vocab_size: int) -> torch.Tensor:
+    # hidden [n, hidden] x weight [per_rank, hidden] -> [n, per_rank] -> gathered [n, padded] -> [n, vocab]
+    local = F.linear(hidden, weight)
+    return tp.all_gather(local.contiguous())[:, :vocab_size]

@@ -1,0 +1,153 @@
+"""Tensor-parallel layers and the sharded model against their dense versions, the ranks run as threads."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from radixlang.kernels.attention.base import ForwardMode
+from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+from radixlang.runtime.forward_batch import ForwardBatch
+from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.models.llama import LlamaForCausalLM, check_tensor_parallel
+from radixlang.runtime.models.loader import random_weights
+from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                               kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab)
+from tiny_model import make_tiny_model_dir
+
+
+class ThreadGroup:
+    """``size`` ranks in threads of one process: the collectives meet at a barrier."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def comm(self, rank: int) -> ThreadComm:
+        return ThreadComm(self, rank)
+
+
+class ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.group.slots[self.rank] = x.clone()
+        self.group.barrier.wait()
+        parts = list(self.group.slots)
+        self.group.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange(x)).sum(0)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange(x), dim=-1)
+
+
+def _on_ranks(size: int, fn):
+    """fn(comm) on every rank at once; the results in rank order."""
+    group = ThreadGroup(size)
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(lambda r: fn(group.comm(r)), range(size)))
+
+
+def test_row_parallel_linear_matches_dense():
+    torch.manual_seed(0)
+    dense = nn.Linear(12, 5, bias=True)
+    x = torch.randn(3, 12)
+
+    def rank(comm):
+        layer = RowParallelLinear(12, 5, tp=comm, bias=True)
+        layer.weight.data.copy_(shard_tensor(dense.weight.data, comm.rank, comm.size, dim=1))
+        layer.bias.data.copy_(dense.bias.data)
+        return layer(shard_tensor(x, comm.rank, comm.size, dim=1))
+    for out in _on_ranks(3, rank):
+        torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [10, 11])  # 11: the last rank's rows are padding
+def test_vocab_parallel_embedding_and_logits_match_dense(vocab):
+    torch.manual_seed(0)
+    dense = nn.Embedding(vocab, 6)
+    ids = torch.tensor([0, 3, 4, 5, vocab - 1, 3])
+    hidden = torch.randn(4, 6)
+
+    def rank(comm):
+        emb = VocabParallelEmbedding(vocab, 6, tp=comm)
+        emb.weight.data.copy_(shard_vocab(dense.weight.data, comm.rank, comm.size))
+        head = ParallelLMHead(vocab, 6, tp=comm)
+        head.weight.data.copy_(shard_vocab(dense.weight.data, comm.rank, comm.size))
+        return emb(ids), emb.logits(hidden), head(hidden)
+    for looked_up, tied, untied in _on_ranks(2, rank):
+        assert torch.equal(looked_up, dense(ids))  # exactly one rank holds each row
+        assert tied.shape == (4, vocab)
+        torch.testing.assert_close(tied, hidden @ dense.weight.T)
+        torch.testing.assert_close(untied, hidden @ dense.weight.T)
+
+
+def test_head_splits_and_refusals():
+    assert kv_heads_per_rank(9, 3, 3) == (3, 1)  # SmolLM2 at tp=3: both split
+    assert kv_heads_per_rank(4, 2, 2) == (2, 1)
+    assert kv_heads_per_rank(8, 2, 4) == (2, 1)  # fewer kv heads than ranks: replicated
+    assert [kv_head_range(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="9 attention heads"):
+        kv_heads_per_rank(9, 3, 2)
+    with pytest.raises(ValueError, match="3 kv heads"):
+        kv_heads_per_rank(12, 3, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        kv_heads_per_rank(12, 4, 6)
+
+
+def _prefill_then_decode(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Logits of an EXTEND over ids[:-1] then a DECODE of ids[-1], through the paged pool: [n, vocab]."""
+    n = len(ids)
+    pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
+                         head_dim=model.head_dim, dtype=torch.float32, device="cpu")
+    reqs = ReqToTokenPool(2, n + 4, "cpu")
+    loc = pool.alloc(n)
+    reqs.req_to_token[0, :n] = loc.to(torch.int32)
+    backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
+    out = []
+    for mode, start, end in ((ForwardMode.EXTEND, 0, n - 1), (ForwardMode.DECODE, n - 1, n)):
+        fb = ForwardBatch(forward_mode=mode, batch_size=1, input_ids=torch.tensor(ids[start:end]),
+                          positions=torch.arange(start, end), req_pool_indices=torch.tensor([0]),
+                          seq_lens=torch.tensor([end]), seq_lens_cpu=[end], extend_prefix_lens_cpu=[start],
+                          extend_seq_lens_cpu=[end - start], out_cache_loc=loc[start:end],
+                          req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
+        backend.init_forward_metadata(fb)
+        out.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kw,size", [
+    ({}, 2),  # 4 heads / 2 kv heads: both split
+    ({}, 4),  # 2 kv heads over 4 ranks: replicated
+    ({"hidden": 72, "heads": 9, "kv_heads": 3}, 3),  # SmolLM2's 9 heads / 3 kv heads at tp=3
+    ({"tie": False, "model_type": "qwen2"}, 2),  # untied lm_head, q/k/v biases
+])
+def test_sharded_model_matches_single_rank(tmp_path, kw, size):
+    config = AutoConfig.from_pretrained(make_tiny_model_dir(str(tmp_path), **kw))
+    ids = [5, 17, 300, 4000, 12, 49000, 7]
+    dense = LlamaForCausalLM(config)
+    dense.load_weights(random_weights(config, seed=1))
+    want = _prefill_then_decode(dense, ids)
+
+    def rank(comm):
+        model = LlamaForCausalLM(config, tp=comm)
+        model.load_weights(random_weights(config, seed=1))
+        return _prefill_then_decode(model, ids)
+    for got in _on_ranks(size, rank):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_check_tensor_parallel_names_the_heads(tmp_path):
+    config = AutoConfig.from_pretrained(make_tiny_model_dir(str(tmp_path)))  # 4 heads, 2 kv heads
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match="4 attention heads"):
+        check_tensor_parallel(config, 3)
