@@ -233,7 +233,9 @@ class Engine:
     def flush_cache(self) -> bool:
         outs = [r.call(r.scheduler.flush_cache) for r in self.replicas]
         for i, out in enumerate(outs):
-            if not out.success:
+            if out.success:
+                self.router.flush(i)
+            else:
                 logger.warning("flush_cache refused on replica %d: %s", i, out.message)
         return all(out.success for out in outs)
 

@@ -208,6 +208,12 @@ class Router:
                 raise ValueError(f"replica {replica} has no request in flight to finish")
             self.loads[replica] -= 1
 
+    def flush(self, replica: int | None = None) -> None:
+        """Forget what was sent to ``replica`` (all replicas if None): call after its cache is flushed."""
+        with self._lock:
+            for r in range(self.num_replicas) if replica is None else [replica]:
+                self.trees[r] = ApproxTree(self.trees[r].max_tokens)
+
     def _cache_aware(self, input_ids: list[int]) -> int:
         matches = [tree.match(input_ids) for tree in self.trees]
         replicas = range(self.num_replicas)

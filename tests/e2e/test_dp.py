@@ -98,6 +98,7 @@ def test_server_info_sums_replicas(dp_cache_aware):
     assert info["cache_hit_rate"] == pytest.approx(info["cached_tokens"] / info["prompt_tokens"])
     assert dp_cache_aware.flush_cache() is True
     assert dp_cache_aware.get_server_info()["memory"]["kv_cached_tokens"] == 0
+    assert dp_cache_aware.router.stats()["tree_tokens"] == [0, 0]  # the router forgets flushed caches too
 
 
 def test_abort_reaches_the_right_replica(dp_round_robin):
@@ -111,3 +112,12 @@ def test_abort_reaches_the_right_replica(dp_round_robin):
     assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < 400
     assert len(list(keep)[-1]["output_ids"]) == 40
     assert dp_round_robin.router.stats()["in_flight"] == [0, 0]
+
+
+def test_metrics_render_summed_replicas(dp_round_robin):
+    from radixlang.runtime.metrics import make_registry, render
+    dp_round_robin.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=GREEDY)
+    info = dp_round_robin.get_server_info()
+    text = render(make_registry(dp_round_robin.get_server_info)).decode()
+    assert f"radixlang_num_requests_total {float(info['num_requests'])}" in text
+    assert f"radixlang_kv_total_tokens {float(2 * 4096)}" in text

@@ -155,3 +155,20 @@ def test_router_does_not_import_torch():
     code = "import sys, radixlang.runtime.router; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_flush_forgets_a_replicas_prefixes():
+    router = Router(2)
+    prefix = list(range(30))
+    assert router.select(prefix + [1]) == 0
+    router.finished(0)
+    router.flush(0)
+    assert router.trees[0].num_tokens == 0
+    assert router.select(list(range(500, 540))) == 0 and router.select(prefix + [2]) == 1  # no longer remembered
+
+
+def test_server_args_load_balance_method():
+    from radixlang.runtime.config import ServerArgs
+    assert ServerArgs().load_balance_method == "cache_aware"
+    with pytest.raises(ValueError, match="load_balance_method must be one of cache_aware, round_robin"):
+        ServerArgs(load_balance_method="random")
