@@ -121,3 +121,20 @@ def test_metrics_render_summed_replicas(dp_round_robin):
     text = render(make_registry(dp_round_robin.get_server_info)).decode()
     assert f"radixlang_num_requests_total {float(info['num_requests'])}" in text
     assert f"radixlang_kv_total_tokens {float(2 * 4096)}" in text
+
+
+def test_a_crashed_replica_fails_its_requests_and_the_engine(tiny_model_dir):
+    engine = _make(tiny_model_dir, "round_robin")
+    try:
+        def boom():
+            raise RuntimeError("replica 1 exploded")
+        engine.schedulers[1].step = boom
+        outs = engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=GREEDY)
+        assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"  # replica 0 still served its request
+        assert outs[1]["meta_info"]["finish_reason"] == {"type": "abort",
+                                                         "message": "engine error: replica 1 exploded"}
+        assert engine.router.stats()["in_flight"] == [0, 0]
+        with pytest.raises(RuntimeError, match="the engine has failed: replica 1 exploded"):
+            engine.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
