@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from typing import Sequence
 
 POLICIES = ("cache_aware", "round_robin")
 
@@ -59,8 +60,9 @@ class ApproxTree:
         self._leaves: list[tuple[int, int, _Node]] = []  # (last_access, tiebreak, node); stale entries skipped
         self._tiebreak = itertools.count()
 
-    def match(self, ids: list[int]) -> int:
+    def match(self, ids: Sequence[int]) -> int:
         """How many leading ids of ``ids`` the tree holds. Does not touch LRU order."""
+        ids = tuple(ids)
         node, i = self.root, 0
         while i < len(ids):
             child = node.children.get(ids[i])
@@ -73,8 +75,9 @@ class ApproxTree:
             node = child
         return i
 
-    def insert(self, ids: list[int]) -> None:
+    def insert(self, ids: Sequence[int]) -> None:
         """Add ``ids`` (its whole path becomes most recently used), then evict down to the bound."""
+        ids = tuple(ids)
         if not ids:
             return
         now = next(self._clock)
@@ -82,7 +85,7 @@ class ApproxTree:
         while i < len(ids):
             child = node.children.get(ids[i])
             if child is None:
-                child = _Node(tuple(ids[i:]), node)
+                child = _Node(ids[i:], node)
                 node.children[ids[i]] = child
                 self.num_tokens += len(child.key)
                 self._num_nodes += 1
@@ -153,11 +156,19 @@ class ApproxTree:
         return out
 
 
-def _common_len(key: tuple[int, ...], ids: list[int], start: int) -> int:
-    n, limit = 0, min(len(key), len(ids) - start)
-    while n < limit and key[n] == ids[start + n]:
-        n += 1
-    return n
+def _common_len(key: tuple[int, ...], ids: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of key and ids[start:]; slice compares run in C, bisecting a mismatch."""
+    n = min(len(key), len(ids) - start)
+    if key[:n] == ids[start:start + n]:
+        return n
+    lo, hi = 0, n  # key[:lo] matches, key[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == ids[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class Router:
@@ -186,15 +197,16 @@ class Router:
         self._next = 0
         self._lock = threading.Lock()
 
-    def select(self, input_ids: list[int]) -> int:
+    def select(self, input_ids: Sequence[int]) -> int:
         """The replica for this request; counts it in flight there (and, cache-aware, remembers its ids)."""
         with self._lock:
             if self.policy == "round_robin":
                 replica = self._next
                 self._next = (self._next + 1) % self.num_replicas
             else:
-                replica = self._cache_aware(input_ids)
-                self.trees[replica].insert(list(input_ids))
+                ids = tuple(input_ids)
+                replica = self._cache_aware(ids)
+                self.trees[replica].insert(ids)
             self.loads[replica] += 1
             self.num_routed[replica] += 1
             return replica
@@ -214,7 +226,7 @@ class Router:
             for r in range(self.num_replicas) if replica is None else [replica]:
                 self.trees[r] = ApproxTree(self.trees[r].max_tokens)
 
-    def _cache_aware(self, input_ids: list[int]) -> int:
+    def _cache_aware(self, input_ids: tuple[int, ...]) -> int:
         matches = [tree.match(input_ids) for tree in self.trees]
         replicas = range(self.num_replicas)
         best = min(replicas, key=lambda r: (-matches[r], self.loads[r], r))
