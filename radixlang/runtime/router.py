@@ -18,10 +18,13 @@ Two policies (SGLang's ``--load-balance-method`` names):
      to ``best``.
   4. The request's ids are inserted into the chosen replica's tree.
 
-  Load is the number of requests in flight: ``select`` adds one to the chosen
-  replica, ``finished`` takes one away. Each tree holds at most
-  ``max_tree_tokens`` ids; past that its least recently used leaves are
+  Defaults: ``cache_threshold=0.5``, ``balance_abs_threshold=8``,
+  ``balance_rel_threshold=1.5``. Load is the number of requests in flight:
+  ``select`` adds one to the chosen replica, ``finished`` takes one away.
+  Each tree holds at most ``max_tree_tokens`` ids (the Engine passes a
+  replica's KV pool size); past that its least recently used leaves are
   dropped, as the replica's real radix cache evicts under memory pressure.
+  ``flush(replica)`` empties a tree when that replica's cache is flushed.
 
 The router is pure Python over token ids (no torch) and thread-safe, so the
 in-process Engine and a server's tokenizer process can both call it.
