@@ -71,7 +71,11 @@ class ServerArgs:
                            "others run only their ranks' forwards")
     dist_init_addr: str | None = _f(None, "host:port where rank 0 hosts torch.distributed's rendezvous; "
                                           "required with nnodes > 1; default: 127.0.0.1 and a free port")
-    dp_size: int = _f(1, "data-parallel replicas")
+    dp_size: int = _f(1, "data-parallel replicas: each loads its own weights and has its own KV pool and radix cache")
+    load_balance_method: str = _f("cache_aware", "how requests are spread over dp replicas: cache_aware (the replica "
+                                                 "whose prefix tree matches the prompt longest, unless that match is "
+                                                 "short or the replica is overloaded) or round_robin",
+                                  ("cache_aware", "round_robin"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

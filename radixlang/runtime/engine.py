@@ -1,11 +1,13 @@
 """Engine: the whole runtime in-process, no HTTP.
 
-A background thread drives the one Scheduler step by step; ``generate`` may be
-called from many threads at once and their requests are batched together.
+A background thread drives each Scheduler replica step by step (one replica
+unless ``dp_size`` > 1, then a Router spreads requests over them); ``generate``
+may be called from many threads at once and their requests are batched together.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -13,8 +15,9 @@ import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from radixlang.runtime.config import ServerArgs
-from radixlang.runtime.detokenizer import DetokenizerManager
 from radixlang.runtime.io import BatchStrOut, TokenizedGenerateReq
+from radixlang.runtime.replica import SchedulerThread
+from radixlang.runtime.router import Router
 from radixlang.runtime.sampling_params import SamplingParams
 from radixlang.runtime.scheduler import Scheduler
 
@@ -35,6 +38,7 @@ class _Pending:
         self.return_logprob = False
         self.events: queue.Queue = queue.Queue()
         self.done = False
+        self.replica = 0
 
     def update(self, out: BatchStrOut, i: int) -> None:
         self.text += out.text_deltas[i]
@@ -64,58 +68,43 @@ class _Pending:
 
 
 class Engine:
-    """In-process runtime. ``Engine(model_path=None, **ServerArgs fields)``."""
+    """In-process runtime. ``Engine(model_path=None, **ServerArgs fields)``.
+
+    With ``dp_size=N`` it runs N scheduler replicas (each its own weights, KV pool and
+    radix cache, each on its own thread) and a Router picks the replica per request.
+    ``engine.scheduler`` is replica 0's scheduler; ``engine.schedulers`` has them all.
+    """
 
     def __init__(self, **kwargs: Any) -> None:
-        self.server_args = ServerArgs(**kwargs)  # a misspelled option is a TypeError
-        self.scheduler = Scheduler(self.server_args)
+        args = _share_cores(ServerArgs(**kwargs))  # a misspelled option is a TypeError
+        self.schedulers = [self._make_scheduler(args, i) for i in range(args.dp_size)]
+        self.scheduler = self.schedulers[0]
         self.server_args = self.scheduler.args
         self.tokenizer = self.scheduler.tokenizer
-        self.detokenizer = DetokenizerManager(self.tokenizer)
-        self._inbox: queue.Queue = queue.Queue()
+        policy = self.server_args.load_balance_method if args.dp_size > 1 else "round_robin"
+        self.router = Router(args.dp_size, policy=policy, max_tree_tokens=self.scheduler.kv_pool.size)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixlang-scheduler", daemon=True)
-        self._thread.start()
+        names = ["radixlang-scheduler"] if args.dp_size == 1 else \
+            [f"radixlang-scheduler-{i}" for i in range(args.dp_size)]
+        self.replicas = [SchedulerThread(s, index=i, name=names[i], deliver=self._deliver, on_error=self._fail)
+                         for i, s in enumerate(self.schedulers)]
+        for r in self.replicas:
+            r.start()
 
-    # ---- the scheduler thread -----------------------------------------------------------------
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while not self._stop:
-            try:
-                self._drain_inbox()
-            except BaseException as e:  # add_request crashing must fail callers, not strand them
-                logger.exception("scheduler request handling failed")
-                self._error = e
-                self._fail_all(e)
-                return
-            if sched.is_idle():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                out = sched.step()
-            except BaseException as e:  # a crash must not leave callers waiting forever
-                logger.exception("scheduler step failed")
-                self._error = e
-                self._fail_all(e)
-                return
-            if out is not None:
-                self._deliver(self.detokenizer.handle(out))
+    @staticmethod
+    def _make_scheduler(args: ServerArgs, index: int) -> Scheduler:
+        sched = Scheduler(args)  # same random_seed: same weights on every replica
+        if index:
+            sched.generator.manual_seed(sched.args.random_seed + index)  # but not the same unseeded samples
+        return sched
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                fn = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            out = fn()
-            if out is not None:
-                self._deliver(self.detokenizer.handle(out))
+    @property
+    def _thread(self) -> threading.Thread:
+        return self.replicas[0].thread
 
+    # ---- outputs from the replica threads ------------------------------------------------------
     def _deliver(self, out: BatchStrOut) -> None:
         for i, rid in enumerate(out.rids):
             with self._lock:
@@ -126,31 +115,20 @@ class Engine:
             if p.done:
                 with self._lock:
                     self._pending.pop(rid, None)
+                self.router.finished(p.replica)
 
-    def _fail_all(self, e: BaseException) -> None:
+    def _fail(self, replica: int, e: BaseException) -> None:
+        """A replica crashed: the engine takes no new requests; that replica's callers get an abort."""
+        self._error = e
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
+            pending = [p for p in self._pending.values() if p.replica == replica]
+            for p in pending:
+                del self._pending[p.rid]
         for p in pending:
             p.meta["finish_reason"] = {"type": "abort", "message": f"engine error: {e}"}
             p.done = True
             p.events.put(p.snapshot())
-
-    def _call(self, fn) -> Any:
-        """Run fn on the scheduler thread and wait for its result."""
-        box: queue.Queue = queue.Queue()
-
-        def wrapped():
-            try:
-                box.put((True, fn()))
-            except BaseException as e:
-                box.put((False, e))
-            return None
-        self._inbox.put(wrapped)
-        self._wake.set()
-        ok, value = box.get()
-        if not ok:
-            raise value
-        return value
+            self.router.finished(replica)
 
     # ---- submitting ---------------------------------------------------------------------------
     def _submit(self, input_ids: list[int], params: dict[str, Any], *, text: str | None, return_logprob: bool,
@@ -163,17 +141,18 @@ class Engine:
         with self._lock:
             if rid in self._pending:
                 raise ValueError(f"duplicate request id {rid!r}")
+            p.replica = self.router.select(input_ids)
             self._pending[rid] = p
+        sched = self.schedulers[p.replica]
         req = TokenizedGenerateReq(rid=rid, input_ids=input_ids, sampling_params=params, input_text=text,
                                    return_logprob=return_logprob,
                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                                    top_logprobs_num=top_logprobs_num, stream=stream)
 
         def add():
-            self.scheduler.add_request(req)
-            return self.scheduler.outputs.flush(self.tokenizer)  # immediate errors
-        self._inbox.put(add)
-        self._wake.set()
+            sched.add_request(req)
+            return sched.outputs.flush(self.tokenizer)  # immediate errors
+        self.replicas[p.replica].post(add)
         return p
 
     def _expand(self, prompt, sampling_params, input_ids) -> list[tuple[list[int], str | None, dict]]:
@@ -246,28 +225,34 @@ class Engine:
 
     # ---- control ------------------------------------------------------------------------------
     def abort_request(self, rid: str) -> None:
-        self._call(lambda: self.scheduler.abort_request(rid))
-        self._wake.set()
+        with self._lock:
+            p = self._pending.get(rid)
+        if p is not None:  # else it has finished already (or never was)
+            self.replicas[p.replica].call(lambda: self.schedulers[p.replica].abort_request(rid))
 
     def flush_cache(self) -> bool:
-        out = self._call(self.scheduler.flush_cache)
-        if not out.success:
-            logger.warning("flush_cache refused: %s", out.message)
-        return out.success
+        outs = [r.call(r.scheduler.flush_cache) for r in self.replicas]
+        for i, out in enumerate(outs):
+            if out.success:
+                self.router.flush(i)
+            else:
+                logger.warning("flush_cache refused on replica %d: %s", i, out.message)
+        return all(out.success for out in outs)
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._call(self.scheduler.get_internal_state)
-        return {**self.server_args.to_dict(), **state, "version": _version()}
+        """ServerArgs, then the replicas' state summed (counters, memory, latency histograms) and per replica."""
+        states = [r.call(r.scheduler.get_internal_state) for r in self.replicas]
+        total = merge_states(states)
+        return {**self.server_args.to_dict(), **total, "replicas": states, "router": self.router.stats(),
+                "version": _version()}
 
     def check_memory_leak(self) -> None:
-        self._call(self.scheduler.check_memory_leak)
+        for r in self.replicas:
+            r.call(r.scheduler.check_memory_leak)
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
-        self.scheduler.runner.shutdown()  # tensor-parallel follower processes, if any
+        for r in self.replicas:
+            r.stop()
 
     def __enter__(self) -> Engine:
         return self
@@ -283,6 +268,36 @@ async def _aiter_from_thread(it: Iterator[dict]) -> AsyncIterator[dict]:
         if item is sentinel:
             return
         yield item
+
+
+def _share_cores(args: ServerArgs) -> ServerArgs:
+    """With several replicas on the CPU and no num_threads given, each gets its share of the cores."""
+    if args.dp_size == 1 or args.num_threads is not None:
+        return args
+    cores = args.resolve().num_threads
+    return dataclasses.replace(args, num_threads=max(1, cores // args.dp_size)) if cores else args
+
+
+_SHARED_KEYS = frozenset({"context_length", "vocab_size", "buckets"})  # the same on every replica
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the replicas' get_internal_state dicts key by key (lists element-wise); recompute the hit rate."""
+    def merge(values: list[Any], key: str) -> Any:
+        first = values[0]
+        if key in _SHARED_KEYS or isinstance(first, bool) or len(values) == 1:
+            return first
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values], k) for k in first}
+        if isinstance(first, list):
+            return [sum(col) for col in zip(*values)]
+        if isinstance(first, (int, float)):
+            return sum(values)
+        return first
+    total = {k: merge([s[k] for s in states], k) for k in states[0]}
+    if len(states) > 1 and "prompt_tokens" in total:
+        total["cache_hit_rate"] = total["cached_tokens"] / total["prompt_tokens"] if total["prompt_tokens"] else 0.0
+    return total
 
 
 def _version() -> str:
