@@ -3,13 +3,14 @@
     python -m radixlang.launch_server [--model-path PATH] [--port 30000] [--api-key KEY] ...
 
 Every option is a ServerArgs field (see --help). Without --model-path the
-embedded SmolLM2-135M-Instruct is served.
+embedded SmolLM2-135M-Instruct is served. Three kinds of process serve it (see
+runtime/launcher.py): this one (HTTP), a scheduler per --dp-size replica, a detokenizer.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import os
+import sys
 
 from radixlang.runtime.config import ServerArgs
 
@@ -23,20 +24,14 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger("radixlang.launch_server")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the server", args.host)
-    import uvicorn
+    from radixlang.runtime.launcher import run_server
 
-    from radixlang.runtime.engine import Engine
-    from radixlang.runtime.http_server import create_app
-
-    import dataclasses
-    engine = Engine(**dataclasses.asdict(args))
-    app = create_app(engine)
-    log.info("serving %s on http://%s:%d", engine.scheduler.runner.model_path, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop"
-                    if os.name == "posix" else "asyncio")
-    finally:
-        engine.shutdown()
+        code = run_server(args)
+    except RuntimeError as e:  # a child failed to start: the reason is in the message
+        log.error("%s", e)
+        code = 1
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Data-parallel replicas seen from the tokenizer manager: which replica serves a request, merged stats.
+
+``RoundRobin`` has the shape of the cache-aware ``Router`` (``select(input_ids) -> int``,
+``finished(replica)``), so either plugs into the TokenizerManager. ``merge_states`` sums
+the replicas' ``Scheduler.get_internal_state()`` dicts into one of the same shape.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+# per-replica values that are the same on every replica: taken from the first
+_SHARED_KEYS = frozenset({"context_length", "vocab_size"})
+
+
+class ReplicaPicker(Protocol):
+    def select(self, input_ids: list[int]) -> int: ...
+
+    def finished(self, replica: int) -> None: ...
+
+
+class RoundRobin:
+    """Replica 0, 1, ..., N-1, 0, ... in order of arrival."""
+
+    def __init__(self, num_replicas: int, *, policy: str = "round_robin") -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if policy != "round_robin":
+            raise ValueError(f"RoundRobin serves policy 'round_robin', got {policy!r}")
+        self.num_replicas = num_replicas
+        self._next = 0
+
+    def select(self, input_ids: list[int]) -> int:
+        replica = self._next
+        self._next = (self._next + 1) % self.num_replicas
+        return replica
+
+    def finished(self, replica: int) -> None:
+        pass
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state for all replicas: counts and KV sizes summed, histograms added bucket by bucket."""
+    assert states, "no replica states to merge"
+    if len(states) == 1:
+        return states[0]
+    merged = _merge(states)
+    prompt, cached = merged["prompt_tokens"], merged["cached_tokens"]
+    merged["cache_hit_rate"] = cached / prompt if prompt else 0.0
+    return merged
+
+
+def _merge(values: list[Any], key: str = "") -> Any:
+    first = values[0]
+    if isinstance(first, dict):
+        if "buckets" in first and "counts" in first:  # a latency histogram
+            return {**first, "counts": [sum(c) for c in zip(*(v["counts"] for v in values))],
+                    "sum": sum(v["sum"] for v in values), "count": sum(v["count"] for v in values)}
+        return {k: _merge([v[k] for v in values], k) for k in first}
+    if key in _SHARED_KEYS or isinstance(first, (str, bool)) or first is None:
+        return first
+    if isinstance(first, (int, float)):
+        return sum(values)
+    return first
