@@ -24,7 +24,7 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     """Process entry: bind at once, then wait on ``setup`` for the tokenizer folder (orjson: {"tokenizer_path"}).
 
     The tokenizer's folder is known once a scheduler has loaded the model; binding first
-    lets the schedulers connect meanwhile. Empty bytes on ``setup`` mean: exit.
+    lets the schedulers connect meanwhile. Empty bytes (or a closed pipe) on ``setup`` mean: exit.
     """
     ignore_stop_signals()
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s detokenizer %(name)s] %(message)s")
@@ -33,7 +33,10 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     recv, send = pull_socket(ctx, ipc.detokenizer), push_socket(ctx, ipc.tokenizer_manager)
     from transformers import AutoTokenizer
 
-    data = setup.recv_bytes()
+    try:
+        data = setup.recv_bytes()
+    except EOFError:  # the launcher died before it knew the tokenizer
+        data = b""
     setup.close()
     if not data:
         return

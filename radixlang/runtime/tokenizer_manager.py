@@ -123,12 +123,14 @@ class TokenizerManager:
                        rid: str | None = None) -> dict | list[dict]:
         """One prompt (a dict) or many (a list of dicts, n expanded in order); like Engine.generate."""
         items = expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
-        states = [self._submit(ids, text, params, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                               top_logprobs_num=top_logprobs_num, stream=False,
-                               rid=rid if len(items) == 1 else None) for ids, text, params in items]
+        states: list[_ReqState] = []
         try:
+            for ids, text, params in items:
+                states.append(self._submit(ids, text, params, return_logprob=return_logprob,
+                                           logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                           stream=False, rid=rid if len(items) == 1 else None))
             results = [await self._wait(st) for st in states]
-        finally:  # the caller went away (cancelled): free what it left running
+        finally:  # refused midway, or the caller went away (cancelled): free what is left running
             for st in states:
                 if not st.done:
                     self.abort_request(st.rid)
