@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from radixlang.runtime.config import ServerArgs
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:  # a child failed to start: the reason is in the message
         log.error("%s", e)
         code = 1
-    sys.exit(code)
+    # children reaped and the socket folder removed: skip the interpreter's teardown (torch, zmq,
+    # multiprocessing), which took over a second and could only hang a stopping server
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     ipc = IpcNames(ipc_folder)
     ctx = zmq.Context()
     recv, send = pull_socket(ctx, ipc.detokenizer), push_socket(ctx, ipc.tokenizer_manager)
-    from transformers import AutoTokenizer
-
     try:
         data = setup.recv_bytes()
     except EOFError:  # the launcher died before it knew the tokenizer
@@ -40,6 +38,8 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     setup.close()
     if not data:
         return
+    from transformers import AutoTokenizer  # not before: the model load has the CPU to itself
+
     tokenizer = AutoTokenizer.from_pretrained(orjson.loads(data)["tokenizer_path"])
     try:
         _serve(DetokenizerManager(tokenizer), recv, send)

@@ -104,15 +104,13 @@ def run_server(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     procs = ServerProcesses(args, ipc)
     try:
-        # the tokenizer loads here and in the detokenizer while the schedulers load the model
-        tokenizer_path = _tokenizer_dir(args)
-        procs.setup_detokenizer(tokenizer_path)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # imports while the schedulers load the model
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         readies = procs.wait_ready()
         first = readies[0]
-        assert first.tokenizer_path == tokenizer_path, (first.tokenizer_path, tokenizer_path)
+        tokenizer_path = first.tokenizer_path
+        procs.setup_detokenizer(tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         from radixlang.runtime.tokenizer_manager import TokenizerManager, process_pids
 
         manager = TokenizerManager(server_args=ServerArgs(**first.server_args), tokenizer=tokenizer,
@@ -124,15 +122,6 @@ def run_server(args: ServerArgs) -> int:
     finally:
         procs.stop()
         remove_private_dir(folder)
-
-
-def _tokenizer_dir(args: ServerArgs) -> str:
-    """The folder the schedulers will load the tokenizer from (a GGUF file converts once, then is cached)."""
-    if args.tokenizer_path:
-        return args.tokenizer_path
-    from radixlang.runtime.models.loader import resolve_model_dir
-
-    return resolve_model_dir(args.model_path, args.load_format)
 
 
 def _exit_on_signal(sig: int, frame: Any) -> None:

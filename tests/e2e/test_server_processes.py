@@ -19,10 +19,10 @@ def _runtime(model_dir: str, **server_args) -> Runtime:
     return Runtime(model_path=model_dir, launch_timeout=180, **args)
 
 
-def _wait_running(url: str) -> None:
+def _wait_running(url: str, count: int = 1) -> None:
     deadline = time.monotonic() + 30
-    while httpx.get(url + "/get_server_info", timeout=30).json()["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
+    while httpx.get(url + "/get_server_info", timeout=30).json()["num_running_reqs"] < count:
+        assert time.monotonic() < deadline, "the requests never started"
         time.sleep(0.05)
 
 
@@ -78,16 +78,23 @@ def test_sigterm_refuses_new_requests_lets_running_ones_finish_and_exits_zero(ti
     runtime = _runtime(tiny_model_dir)
     proc = runtime._proc
     try:
-        worker, result = _generate_in_thread(runtime.url, {
-            "text": "long", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
-        _wait_running(runtime.url)
+        short, short_result = _generate_in_thread(runtime.url, {
+            "text": "short", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+        long, long_result = _generate_in_thread(runtime.url, {
+            "text": "long", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+        _wait_running(runtime.url, count=2)
         os.kill(proc.pid, signal.SIGTERM)
         refused = httpx.post(runtime.url + "/generate", json={"text": "late"}, timeout=30)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        worker.join(timeout=120)
-        assert result["status"] == 200, result
-        assert result["body"]["meta_info"]["finish_reason"]["type"] == "length", result["body"]["meta_info"]
-        assert result["body"]["meta_info"]["completion_tokens"] == 300
+        assert httpx.get(runtime.url + "/health", timeout=30).status_code == 503
+        short.join(timeout=120)
+        meta = short_result["body"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 300, short_result
+        assert proc.poll() is None  # the long request still runs: the server waits for it
+        os.kill(proc.pid, signal.SIGTERM)  # a second signal: abort what runs and exit now
+        long.join(timeout=60)
+        meta = long_result["body"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500, long_result
         assert proc.wait(timeout=30) == 0
     finally:
         runtime.shutdown()
