@@ -131,11 +131,9 @@ def _exit_on_signal(sig: int, frame: Any) -> None:
 def _run_loop(coro: Any) -> int:
     try:
         import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+    except ImportError:  # not on Windows
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 async def _serve(args: ServerArgs, manager: Any, procs: ServerProcesses) -> int:

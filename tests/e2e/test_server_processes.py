@@ -78,10 +78,11 @@ def test_sigterm_refuses_new_requests_lets_running_ones_finish_and_exits_zero(ti
     runtime = _runtime(tiny_model_dir)
     proc = runtime._proc
     try:
-        short, short_result = _generate_in_thread(runtime.url, {
-            "text": "short", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
         long, long_result = _generate_in_thread(runtime.url, {
             "text": "long", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+        _wait_running(runtime.url)
+        short, short_result = _generate_in_thread(runtime.url, {
+            "text": "short", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
         _wait_running(runtime.url, count=2)
         os.kill(proc.pid, signal.SIGTERM)
         refused = httpx.post(runtime.url + "/generate", json={"text": "late"}, timeout=30)
