@@ -15,7 +15,9 @@ import zmq
 
 from radixlang.runtime.detokenizer import DetokenizerManager
 from radixlang.runtime.io import BatchTokenIDOut, decode, encode
-from radixlang.runtime.ipc import IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket
+from radixlang.runtime.ipc import (
+    IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     lets the schedulers connect meanwhile. Empty bytes (or a closed pipe) on ``setup`` mean: exit.
     """
     ignore_stop_signals()
+    parent = ParentWatch()
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s detokenizer %(name)s] %(message)s")
     ipc = IpcNames(ipc_folder)
     ctx = zmq.Context()
@@ -38,17 +41,18 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     setup.close()
     if not data:
         return
-    from transformers import AutoTokenizer  # not before: the model load has the CPU to itself
+    from transformers import AutoTokenizer  # only now: one process fewer competes with the model load
 
     tokenizer = AutoTokenizer.from_pretrained(orjson.loads(data)["tokenizer_path"])
     try:
-        _serve(DetokenizerManager(tokenizer), recv, send)
+        _serve(DetokenizerManager(tokenizer), recv, send, parent)
     finally:
         ctx.destroy(linger=0)
+    if not parent.parent_alive():  # the server was killed: nobody else will remove the sockets
+        remove_private_dir(ipc_folder)
 
 
-def _serve(manager: DetokenizerManager, recv: zmq.Socket, send: zmq.Socket) -> None:
-    parent = ParentWatch()
+def _serve(manager: DetokenizerManager, recv: zmq.Socket, send: zmq.Socket, parent: ParentWatch) -> None:
     while True:
         if not recv.poll(1000):
             if not parent.parent_alive():

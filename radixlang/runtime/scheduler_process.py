@@ -23,7 +23,9 @@ from radixlang.runtime.io import (
     AbortReq, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
     GetInternalStateReq, SchedulerReady, TokenizedGenerateReq, decode, encode,
 )
-from radixlang.runtime.ipc import IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket
+from radixlang.runtime.ipc import (
+    IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
+)
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500  # how long an idle scheduler sleeps on its socket before checking on its parent
@@ -59,6 +61,8 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
     worker.start()
     worker.join()
     ctx.destroy(linger=0)
+    if not loop.parent.parent_alive():  # the server was killed: nobody else will remove the sockets
+        remove_private_dir(ipc_folder)
     if failed:  # the launcher sees the exit code and stops the server
         raise SystemExit(1)
 
