@@ -3,13 +3,15 @@
     python -m radixlang.launch_server [--model-path PATH] [--port 30000] [--api-key KEY] ...
 
 Every option is a ServerArgs field (see --help). Without --model-path the
-embedded SmolLM2-135M-Instruct is served.
+embedded SmolLM2-135M-Instruct is served. Three kinds of process serve it (see
+runtime/launcher.py): this one (HTTP), a scheduler per --dp-size replica, a detokenizer.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 
 from radixlang.runtime.config import ServerArgs
 
@@ -27,20 +29,19 @@ def main(argv: list[str] | None = None) -> None:
         from radixlang.runtime.tp_worker import run_node
         run_node(args)
         return
-    import uvicorn
+    from radixlang.runtime.launcher import run_server
 
-    from radixlang.runtime.engine import Engine
-    from radixlang.runtime.http_server import create_app
-
-    import dataclasses
-    engine = Engine(**dataclasses.asdict(args))
-    app = create_app(engine)
-    log.info("serving %s on http://%s:%d", engine.scheduler.runner.model_path, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop"
-                    if os.name == "posix" else "asyncio")
-    finally:
-        engine.shutdown()
+        code = run_server(args)
+    except RuntimeError as e:  # a child failed to start: the reason is in the message
+        log.error("%s", e)
+        code = 1
+    # children reaped and the socket folder removed: skip the interpreter's teardown (torch, zmq,
+    # multiprocessing), which took over a second and could only hang a stopping server
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ class ServerArgs:
     max_request_body_bytes: int = _f(16 * 1024 * 1024, "reject larger request bodies with 413")
     log_level: str = _f("info", "logging level", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "log every request's inputs and outputs")
+    graceful_shutdown_timeout: float = _f(30.0, "on SIGTERM, seconds running requests may take before they "
+                                                "are aborted (new requests get 503 meanwhile)")
     # scale out
     tp_size: int = _f(1, "tensor-parallel ranks: one process each, every layer split across them "
                          "(gloo on the CPU, nccl on CUDA with one GPU per rank)")

@@ -17,54 +17,26 @@ from typing import Any, AsyncIterator, Iterator
 from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.io import BatchStrOut, TokenizedGenerateReq
 from radixlang.runtime.replica import SchedulerThread
+from radixlang.runtime.replicas import merge_states
+from radixlang.runtime.request_output import RequestOutput, expand_requests, is_batched
 from radixlang.runtime.router import Router
-from radixlang.runtime.sampling_params import SamplingParams
 from radixlang.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class _Pending:
+class _Pending(RequestOutput):
     """One request's accumulated output; `events` receives a copy after every update."""
 
     def __init__(self, rid: str, stream: bool) -> None:
-        self.rid = rid
+        super().__init__(rid)
         self.stream = stream
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.meta: dict[str, Any] = {"id": rid}
-        self.lp: dict[str, list] = {"input_token_logprobs": [], "output_token_logprobs": [],
-                                    "input_top_logprobs": [], "output_top_logprobs": []}
-        self.return_logprob = False
         self.events: queue.Queue = queue.Queue()
-        self.done = False
         self.replica = 0
 
     def update(self, out: BatchStrOut, i: int) -> None:
-        self.text += out.text_deltas[i]
-        self.output_ids.extend(out.output_ids[i])
-        fin = out.finished_reasons[i]
-        self.meta.update(prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
-                         cached_tokens=out.cached_tokens[i], finish_reason=fin)
-        extra = out.extra_meta[i] if i < len(out.extra_meta) else {}
-        self.meta.update(extra)
-        for key in self.lp:
-            vals = getattr(out, key)[i] if i < len(getattr(out, key)) else None
-            if vals:
-                self.lp[key].extend(vals)
-        self.done = fin is not None
+        super().update(out, i)
         self.events.put(self.snapshot())
-
-    def snapshot(self) -> dict[str, Any]:
-        meta = dict(self.meta)
-        if self.return_logprob:
-            meta["input_token_logprobs"] = [(lp, tid, None) for lp, tid in self.lp["input_token_logprobs"]]
-            meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in self.lp["output_token_logprobs"]]
-            meta["input_top_logprobs"] = [None if row is None else [(lp, tid, None) for lp, tid in row]
-                                          for row in self.lp["input_top_logprobs"]]
-            meta["output_top_logprobs"] = [[(lp, tid, None) for lp, tid in row]
-                                           for row in self.lp["output_top_logprobs"]]
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 class Engine:
@@ -125,8 +97,7 @@ class Engine:
             for p in pending:
                 del self._pending[p.rid]
         for p in pending:
-            p.meta["finish_reason"] = {"type": "abort", "message": f"engine error: {e}"}
-            p.done = True
+            p.fail(f"engine error: {e}")
             p.events.put(p.snapshot())
             self.router.finished(replica)
 
@@ -156,29 +127,7 @@ class Engine:
         return p
 
     def _expand(self, prompt, sampling_params, input_ids) -> list[tuple[list[int], str | None, dict]]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt (text) or input_ids")
-        if prompt is not None:
-            texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
-            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        else:
-            single = bool(input_ids) and isinstance(input_ids[0], int)
-            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
-            texts = [None] * len(ids)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts")
-            plist = [dict(p or {}) for p in sampling_params]
-        else:
-            plist = [dict(sampling_params or {}) for _ in ids]
-        items = []
-        for i, t, p in zip(ids, texts, plist):
-            n = SamplingParams.from_dict(p).n  # validates early, in the caller's thread
-            for _ in range(n):
-                items.append((i, t, {**p, "n": 1}))
-        return items
+        return expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
@@ -186,8 +135,7 @@ class Engine:
                  rid: str | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or many (a list of dicts, n expanded in order)."""
         items = self._expand(prompt, sampling_params, input_ids)
-        batched = (prompt is not None and not isinstance(prompt, str)) or \
-                  (input_ids is not None and not (input_ids and isinstance(input_ids[0], int))) or len(items) > 1
+        batched = is_batched(prompt, input_ids, len(items))
         if stream:
             if len(items) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -276,28 +224,6 @@ def _share_cores(args: ServerArgs) -> ServerArgs:
         return args
     cores = args.resolve().num_threads
     return dataclasses.replace(args, num_threads=max(1, cores // args.dp_size)) if cores else args
-
-
-_SHARED_KEYS = frozenset({"context_length", "vocab_size", "buckets"})  # the same on every replica
-
-
-def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the replicas' get_internal_state dicts key by key (lists element-wise); recompute the hit rate."""
-    def merge(values: list[Any], key: str) -> Any:
-        first = values[0]
-        if key in _SHARED_KEYS or isinstance(first, bool) or len(values) == 1:
-            return first
-        if isinstance(first, dict):
-            return {k: merge([v[k] for v in values], k) for k in first}
-        if isinstance(first, list):
-            return [sum(col) for col in zip(*values)]
-        if isinstance(first, (int, float)):
-            return sum(values)
-        return first
-    total = {k: merge([s[k] for s in states], k) for k in states[0]}
-    if len(states) > 1 and "prompt_tokens" in total:
-        total["cache_hit_rate"] = total["cached_tokens"] / total["prompt_tokens"] if total["prompt_tokens"] else 0.0
-    return total
 
 
 def _version() -> str:

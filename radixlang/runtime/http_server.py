@@ -1,7 +1,8 @@
-"""FastAPI app: SGLang-native routes and the OpenAI-compatible subset, over an in-process Engine.
+"""FastAPI app: SGLang-native routes and the OpenAI-compatible subset, over a ``Front``.
 
-The app holds one Engine (its scheduler runs on a background thread). Blocking
-engine calls run in worker threads so the event loop keeps serving.
+The app serves whatever implements ``Front``: in the server that is the
+TokenizerManager, which talks to the scheduler and detokenizer processes over ZMQ.
+Every front call is a coroutine, so the event loop keeps serving while requests run.
 """
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import dataclasses
 import hmac
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import orjson
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixlang.runtime.engine import Engine
+from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.metrics import make_registry, render
 from radixlang.runtime.sampling_params import SamplingParams
+from radixlang.runtime.tokenizer_manager import RequestStream
 from radixlang.runtime.openai_api import (
     ChatRequest, CompletionRequest, FieldError, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
     completion_logprobs, envelope, finish_reason, parse_tool_calls, to_sampling, usage,
@@ -34,12 +36,36 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
                                    "code": status}}, status_code=status)
 
 
-def create_app(engine: Engine) -> FastAPI:
+class Front(Protocol):
+    """What the app needs from the runtime behind it (the TokenizerManager implements it)."""
+    server_args: ServerArgs
+    tokenizer: Any
+    model_path: str
+    tokenizer_path: str
+    draining: bool  # shutting down: new requests get 503
+
+    def is_healthy(self) -> bool: ...
+
+    async def generate(self, **kwargs: Any) -> dict | list[dict]: ...
+
+    async def stream(self, **kwargs: Any) -> RequestStream:
+        """Submit now (a bad request raises here); iterate for snapshots; ``aclose()`` aborts if unfinished."""
+
+    def abort_request(self, rid: str) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def get_server_info(self) -> dict[str, Any]: ...
+
+
+def create_app(engine: Front) -> FastAPI:
     args = engine.server_args
     app = FastAPI(title="radixlang")
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        if engine.draining:
+            return _error(503, "the server is shutting down")
         if args.api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
@@ -69,36 +95,33 @@ def create_app(engine: Engine) -> FastAPI:
                                        "type": "internal_error", "param": None, "code": 500}}, status_code=500)
 
     if args.enable_metrics:
-        registry = make_registry(engine.get_server_info)
-
         @app.get("/metrics")
         async def metrics() -> Response:
-            body = await asyncio.to_thread(render, registry)
+            info = await engine.get_server_info()
+            body = render(make_registry(lambda: info))
             return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health() -> Response:
-        if engine._error is not None or not engine._thread.is_alive():
-            return Response(status_code=503)
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_healthy() else 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        out = await asyncio.to_thread(engine.generate, input_ids=[1], sampling_params={"max_new_tokens": 1})
+        out = await engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1})
         return Response(status_code=200 if out["meta_info"]["finish_reason"]["type"] != "abort" else 503)
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": engine.scheduler.runner.model_path, "tokenizer_path": engine.scheduler.runner.tokenizer_path,
+        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
                 "is_generation": True, "chat_template": getattr(engine.tokenizer, "chat_template", None)}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return await asyncio.to_thread(engine.get_server_info)
+        return await engine.get_server_info()
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        ok = await asyncio.to_thread(engine.flush_cache)
+        ok = await engine.flush_cache()
         if not ok:
             return _error(400, "cannot flush the cache while requests are running")
         return JSONResponse({"success": True, "message": "cache flushed"})
@@ -109,7 +132,7 @@ def create_app(engine: Engine) -> FastAPI:
         rid = body.get("rid")
         if not isinstance(rid, str):
             raise ValueError("rid must be a string")
-        await asyncio.to_thread(engine.abort_request, rid)
+        engine.abort_request(rid)
         return {"success": True}
 
     @app.post("/generate")
@@ -119,9 +142,9 @@ def create_app(engine: Engine) -> FastAPI:
               "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
               "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
         if req.stream:
-            it = engine.generate(**kw, stream=True)
-            return StreamingResponse(_sse(request, engine, it), media_type="text/event-stream")
-        out = await asyncio.to_thread(engine.generate, **kw)
+            it = await engine.stream(**kw)
+            return StreamingResponse(_sse(request, it), media_type="text/event-stream")
+        out = await engine.generate(**kw)
         _check_outputs(out if isinstance(out, list) else [out], "text" if req.text is not None else "input_ids")
         return Response(orjson.dumps(out), media_type="application/json")
 
@@ -155,24 +178,15 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-async def _sse(request: Request, engine: Engine, it) -> AsyncIterator[bytes]:
-    sentinel = object()
-    rid = None
+async def _sse(request: Request, it: RequestStream) -> AsyncIterator[bytes]:
     try:
-        while True:
-            item = await asyncio.to_thread(next, it, sentinel)
-            if item is sentinel:
-                break
-            rid = item["meta_info"]["id"]
+        async for item in it:
             if await request.is_disconnected():
-                await asyncio.to_thread(engine.abort_request, rid)
                 return
             yield b"data: " + orjson.dumps(item) + b"\n\n"
         yield b"data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        if rid is not None:
-            engine.abort_request(rid)
-        raise
+    finally:  # the client left (or the response was cancelled): abort the request if it still runs
+        await it.aclose()
 
 
 class GenerateRequest(pydantic.BaseModel):
@@ -189,8 +203,8 @@ class GenerateRequest(pydantic.BaseModel):
     rid: str | None = None
 
 
-def _model_name(engine: Engine) -> str:
-    return engine.server_args.served_model_name or engine.scheduler.runner.model_path
+def _model_name(engine: Front) -> str:
+    return engine.server_args.served_model_name or engine.model_path
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(GenerateRequest.model_fields)
@@ -233,7 +247,7 @@ def _check_outputs(outs: list[dict[str, Any]], param: str) -> None:
             raise FieldError(reason.get("message", "request refused"), _named_field(reason.get("message", "")) or param)
 
 
-async def _serve_openai(engine: Engine, req: Any, prompts: list, params: dict[str, Any], *,
+async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
                         chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
     try:
         return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs)
@@ -245,7 +259,7 @@ async def _serve_openai(engine: Engine, req: Any, prompts: list, params: dict[st
         raise FieldError(str(e), _OPENAI_NAMES.get(name or "", name)) from None
 
 
-async def _run_openai(engine: Engine, req: Any, prompts: list, params: dict[str, Any], *,
+async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
                       chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
     if len(prompts) * req.n > _MAX_CHOICES:
         raise FieldError(f"prompts x n must be <= {_MAX_CHOICES}, got {len(prompts) * req.n}", "n")
@@ -256,13 +270,20 @@ async def _run_openai(engine: Engine, req: Any, prompts: list, params: dict[str,
                logprobs=top_logprobs is not None, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
     param = "messages" if chat else "prompt"
     if not req.stream:
-        outs = await asyncio.to_thread(engine.generate, **{key: prompts}, sampling_params={**params, "n": req.n}, **lp)
+        outs = await engine.generate(**{key: prompts}, sampling_params={**params, "n": req.n}, **lp)
         _check_outputs(outs, param)
         groups = [outs[i * req.n:(i + 1) * req.n] for i in range(len(prompts))]
         return JSONResponse({**envelope(chat=chat, model=ctx.model, rid=ctx.rid, chunk=False),
                              "choices": [ctx.choice(i, o) for i, o in enumerate(outs)], "usage": usage(groups)})
-    streams = [engine.generate(**{key: p}, sampling_params={**params, "n": 1}, stream=True, **lp)
-               for p in prompts for _ in range(req.n)]
+    streams = []
+    try:
+        for p in prompts:
+            for _ in range(req.n):
+                streams.append(await engine.stream(**{key: p}, sampling_params={**params, "n": 1}, **lp))
+    except BaseException:  # a later choice was refused: the earlier ones must not run on
+        for it in streams:
+            await it.aclose()
+        raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_openai_sse(engine, ctx, streams, req.n, include_usage=include_usage),
                              media_type="text/event-stream")
@@ -271,7 +292,7 @@ async def _run_openai(engine: Engine, req: Any, prompts: list, params: dict[str,
 class _Ctx:
     """What building one OpenAI response (or its chunks) needs."""
 
-    def __init__(self, *, engine: Engine, model: str, chat: bool, tools: list[Tool], forced: bool, logprobs: bool,
+    def __init__(self, *, engine: Front, model: str, chat: bool, tools: list[Tool], forced: bool, logprobs: bool,
                  rid: str) -> None:
         self.engine, self.model, self.chat, self.tools, self.forced = engine, model, chat, tools, forced
         self.logprobs, self.rid = logprobs, rid
@@ -323,18 +344,16 @@ class _Ctx:
         return choice
 
 
-async def _openai_sse(engine: Engine, ctx: _Ctx, streams: list, n: int, *, include_usage: bool) -> AsyncIterator[bytes]:
+async def _openai_sse(engine: Front, ctx: _Ctx, streams: list, n: int, *, include_usage: bool) -> AsyncIterator[bytes]:
     """Merge the choices' streams into OpenAI chunks; abort every unfinished choice if the client leaves."""
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(i, it, queue)) for i, it in enumerate(streams)]
     finals: dict[int, dict[str, Any]] = {}
     sent = [(0, 0)] * len(streams)
-    rids: dict[int, str] = {}
     started: set[int] = set()
     try:
         while len(finals) < len(streams):
             index, out = await queue.get()
-            rids[index] = out["meta_info"]["id"]
             if out["meta_info"].get("finish_reason") is not None:
                 reason = out["meta_info"]["finish_reason"]
                 if reason.get("type") == "abort" and reason.get("status_code"):
@@ -350,17 +369,12 @@ async def _openai_sse(engine: Engine, ctx: _Ctx, streams: list, n: int, *, inclu
             yield ctx.chunk([], usage(groups))
         yield b"data: [DONE]\n\n"
     finally:
-        for index, rid in rids.items():
-            if index not in finals:
-                await asyncio.to_thread(engine.abort_request, rid)
         for task in tasks:
             task.cancel()
+        for it in streams:  # aborts every choice that has not finished
+            await it.aclose()
 
 
-async def _pump(index: int, it: Any, queue: asyncio.Queue) -> None:
-    sentinel = object()
-    while True:
-        item = await asyncio.to_thread(next, it, sentinel)
-        if item is sentinel:
-            return
+async def _pump(index: int, it: RequestStream, queue: asyncio.Queue) -> None:
+    async for item in it:
         await queue.put((index, item))

@@ -30,25 +30,52 @@ class AbortReq:
     rid: str
 
 
+# Control messages: ``rid`` is the id of the control call (not of a generation request); the
+# scheduler process copies it into the reply so the tokenizer manager can match the two.
 @dataclass(kw_only=True)
 class FlushCacheReq:
-    pass
+    rid: str = ""
 
 
 @dataclass(kw_only=True)
 class FlushCacheOut:
     success: bool
     message: str = ""
+    rid: str = ""
 
 
 @dataclass(kw_only=True)
 class GetInternalStateReq:
-    pass
+    rid: str = ""
 
 
 @dataclass(kw_only=True)
 class GetInternalStateOut:
     state: dict[str, Any]
+    rid: str = ""
+
+
+@dataclass(kw_only=True)
+class CheckMemoryLeakReq:
+    rid: str = ""
+
+
+@dataclass(kw_only=True)
+class CheckMemoryLeakOut:
+    ok: bool
+    message: str = ""
+    rid: str = ""
+
+
+@dataclass(kw_only=True)
+class SchedulerReady:
+    """A scheduler process -> the launcher, once its model is loaded (or it failed to load: ``error``)."""
+    replica: int
+    pid: int
+    error: str | None = None
+    server_args: dict[str, Any] = field(default_factory=dict)  # resolved ServerArgs.to_dict()
+    model_path: str = ""
+    tokenizer_path: str = ""
 
 
 @dataclass(kw_only=True)
@@ -99,7 +126,8 @@ class BatchStrOut:
 _MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, GetInternalStateReq,
-                GetInternalStateOut, BatchTokenIDOut, BatchStrOut)
+                GetInternalStateOut, CheckMemoryLeakReq, CheckMemoryLeakOut, SchedulerReady, BatchTokenIDOut,
+                BatchStrOut)
 }
 
 
