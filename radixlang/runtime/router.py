@@ -10,7 +10,8 @@ Two policies (SGLang's ``--load-balance-method`` names):
      its tree holds. ``best`` is the replica with the longest match; ties go to
      the replica with fewer requests in flight, then the lower index.
   2. ``least`` is the replica with the fewest requests in flight (ties: the
-     longer match, then the lower index).
+     longer match, then the smaller tree, so that new prefixes spread over the
+     replicas even when requests come one at a time, then the lower index).
   3. The request goes to ``least`` when the best match is short,
      ``match < cache_threshold * len(input_ids)``, or when ``best`` is
      overloaded: ``load[best] - load[least] > balance_abs_threshold`` and
@@ -233,7 +234,7 @@ class Router:
         matches = [tree.match(input_ids) for tree in self.trees]
         replicas = range(self.num_replicas)
         best = min(replicas, key=lambda r: (-matches[r], self.loads[r], r))
-        least = min(replicas, key=lambda r: (self.loads[r], -matches[r], r))
+        least = min(replicas, key=lambda r: (self.loads[r], -matches[r], self.trees[r].num_tokens, r))
         short = matches[best] < self.cache_threshold * len(input_ids)
         hi, lo = self.loads[best], self.loads[least]
         overloaded = hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo

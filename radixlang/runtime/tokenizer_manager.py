@@ -201,7 +201,7 @@ class TokenizerManager:
         state = merge_states([o.state for o in outs])
         from radixlang import __version__
         return {**self.server_args.to_dict(), **state, "version": __version__, **self.process_pids,
-                "num_requests_per_replica": [o.state["num_requests"] for o in outs]}
+                "num_requests_per_replica": [o.state["num_requests"] for o in outs], "router": self.picker.stats()}
 
     async def check_memory_leak(self) -> None:
         outs = await self._control(lambda cid: CheckMemoryLeakReq(rid=cid))

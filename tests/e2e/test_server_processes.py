@@ -41,7 +41,7 @@ def _generate_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:
 
 
 def test_dp2_spreads_requests_then_a_killed_scheduler_stops_the_server(tiny_model_dir):
-    runtime = _runtime(tiny_model_dir, dp_size=2)
+    runtime = _runtime(tiny_model_dir, dp_size=2, load_balance_method="round_robin")
     proc = runtime._proc
     try:
         with httpx.Client(base_url=runtime.url, timeout=60) as c:
@@ -53,6 +53,7 @@ def test_dp2_spreads_requests_then_a_killed_scheduler_stops_the_server(tiny_mode
             assert all(r.json()["meta_info"]["finish_reason"]["type"] == "length" for r in outs)
             info = c.get("/get_server_info").json()
             assert info["num_requests_per_replica"] == [3, 3] and info["num_requests"] == 6
+            assert info["router"]["routed"] == [3, 3] and info["router"]["in_flight"] == [0, 0]
             mem = info["memory"]
             assert mem["kv_free_tokens"] + mem["kv_cached_tokens"] == mem["kv_total_tokens"]
             assert c.post("/flush_cache").status_code == 200

@@ -73,7 +73,8 @@ def _oracle_select(stored, loads, ids, *, threshold, abs_t, rel_t) -> int:
     n = len(loads)
     matches = [max((_common(ids, s) for s in stored[r]), default=0) for r in range(n)]
     best = min(range(n), key=lambda r: (-matches[r], loads[r], r))
-    least = min(range(n), key=lambda r: (loads[r], -matches[r], r))
+    sizes = [len({tuple(s[:k]) for s in stored[r] for k in range(1, len(s) + 1)}) for r in range(n)]
+    least = min(range(n), key=lambda r: (loads[r], -matches[r], sizes[r], r))
     if matches[best] < threshold * len(ids):
         return least
     if loads[best] - loads[least] > abs_t and loads[best] > rel_t * loads[least]:
@@ -111,6 +112,19 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_and_spreads_new_ones():
     for i in range(4):
         assert router.select(a + [i + 2]) == first_a
         assert router.select(b + [i + 2]) == first_b
+
+
+def test_new_prefixes_spread_when_requests_come_one_at_a_time():
+    router = Router(2)
+    prefixes = [list(range(k * 100, k * 100 + 40)) for k in range(4)]
+    homes = []
+    for p in prefixes:  # each request ends before the next: loads stay 0, the tree sizes decide
+        homes.append(router.select(p + [1]))
+        router.finished(homes[-1])
+    assert sorted(homes) == [0, 0, 1, 1]
+    for p, home in zip(prefixes, homes):
+        assert router.select(p + [2]) == home
+        router.finished(home)
 
 
 def test_overloaded_best_replica_sends_to_least_loaded():
