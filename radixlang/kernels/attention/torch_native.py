@@ -68,6 +68,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
+        out_dtype = q.dtype  # attention runs in the pool's dtype (float32 on the CPU even for bf16 weights)
+        q, k, v = q.to(k_buf.dtype), k.to(k_buf.dtype), v.to(k_buf.dtype)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         gqa = layer.num_heads != layer.num_kv_heads
         for start, extend_len, loc, mask in self._extend_reqs:
@@ -91,7 +93,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if self._extend_singles is not None:
             token_idx, loc, mask = self._extend_singles
             out[token_idx] = self._attend_one_each(q[token_idx], k_buf, v_buf, loc, mask, layer)
-        return out
+        return out.to(out_dtype)
 
     def _attend_one_each(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor,
                          mask: torch.Tensor | None, layer: AttentionLayerLike) -> torch.Tensor:
@@ -109,8 +111,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        return self._attend_one_each(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                                     self._decode_kv_loc, self._decode_mask, layer)
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        out = self._attend_one_each(q.to(k_buf.dtype), k_buf, v_buf, self._decode_kv_loc, self._decode_mask, layer)
+        return out.to(q.dtype)
 
 
 def _token_starts(extend_lens: list[int]) -> list[int]:
