@@ -90,6 +90,9 @@ def run(workloads: list[Workload], systems: list[System], model_dir: str, quick:
             backend = system.open(model_dir)
             try:
                 for w in workloads:
+                    if not system.runs(w.name):
+                        bar.update()
+                        continue
                     bar.set_postfix_str(f"{system.name}/{w.name}")
                     started = time.perf_counter()
                     row = run_workload(w, backend, _programs(w, system, quick), system.concurrency)
