@@ -154,12 +154,12 @@ def _vocab_size(url: str) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, Any] = {}
+    requests: list[BenchRequest] = []
     if args.url:
         requests = make_dataset(args, _vocab_size(args.url))
         runs["server"] = bench_url(args.url, requests, args)
     else:
         from radixlang.lang.backends.runtime import Runtime
-        requests: list[BenchRequest] = []
         for name, extra in VARIANTS.items():
             with Runtime(launch_timeout=300, **server_args(args), **extra) as runtime:
                 requests = requests or make_dataset(args, _vocab_size(runtime.url))
