@@ -119,6 +119,11 @@ class LlamaCppBackend(Backend):
         with self._lock:
             return Counters(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
 
+    def shutdown(self) -> None:
+        for llm in (self.llm, self._scorer):
+            if llm is not None:
+                llm.close()
+
     @property
     def chat_template(self) -> ChatTemplate:
         source = self.llm.metadata.get("tokenizer.chat_template")
