@@ -45,10 +45,11 @@ def test_llama_cpp_runs_gen_and_select(smollm_path):
     system = next(s for s in default_systems(1) if s.name == "llama.cpp")
     backend = system.open(smollm_path)
     try:
-        select = run_workload(_workload("mmlu_5shot_select"), backend, n=2, concurrency=1)
+        select = run_workload(_workload("mmlu_5shot_select"), backend, n=1, concurrency=1)
         gen = run_workload(_workload("fewshot_32x417"), backend, n=2, concurrency=1)
     finally:
         close(backend)
     assert "error" not in select and "error" not in gen, (select.get("error"), gen.get("error"))
     assert select["states"][0]["answer"] in (" A", " B", " C", " D")
-    assert select["hit_rate"] > 0.5 and gen["hit_rate"] > 0.3  # llama.cpp reuses the previous prompt's prefix
+    # llama.cpp reuses the previous prompt's prefix: choices 2-4 after the first, program 2's few-shot prefix
+    assert select["hit_rate"] > 0.5 and gen["hit_rate"] > 0.3
