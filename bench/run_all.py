@@ -90,6 +90,9 @@ def run(workloads: list[Workload], systems: list[System], model_dir: str, quick:
             backend = system.open(model_dir)
             try:
                 for w in workloads:
+                    if not system.runs(w.name):
+                        bar.update()
+                        continue
                     bar.set_postfix_str(f"{system.name}/{w.name}")
                     started = time.perf_counter()
                     row = run_workload(w, backend, _programs(w, system, quick), system.concurrency)
@@ -127,6 +130,28 @@ def print_table(table: dict[str, dict[str, Any]]) -> None:
                   f"{row['p99_s']:7.2f} {row['hit_rate']:5.2f} {speedup:8.2f}")
 
 
+def markdown_table(table: dict[str, dict[str, Any]], systems: list[str]) -> str:
+    """The README table: radixlang's programs/s and hit rate, then how many times faster it is than each system."""
+    others = [s for s in systems if s != "radixlang"]
+    lines = ["| workload | radixlang programs/s | hit rate | " + " | ".join(f"vs {s}" for s in others) + " |",
+             "|---" * (3 + len(others)) + "|"]
+    for name, rows in table.items():
+        base = rows.get("radixlang", {})
+        if "programs_s" not in base:
+            continue
+        cells = []
+        for s in others:
+            row = rows.get(s)
+            if row is None:
+                cells.append("not run")
+            elif "error" in row:
+                cells.append("n/a (" + row["error"][:60].replace("|", "/") + ")")
+            else:
+                cells.append(f"{1 / row['ratio_to_radixlang']:.1f}x")
+        lines.append(f"| {name} | {base['programs_s']:.2f} | {base['hit_rate']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(table: dict[str, dict[str, Any]], systems: list[str]) -> None:
     """Normalized throughput bars (radixlang = 1), one group per workload, like the paper's figure."""
     import matplotlib
@@ -156,7 +181,9 @@ def main() -> None:
     systems = default_systems(args.concurrency)
     table = run(workloads, systems, resolve_model_dir(None), args.quick)
     print_table(table)
-    print("wrote", write_result("latest", {"quick": args.quick, "partial": False, "workloads": table}))
+    print(markdown_table(table, [s.name for s in systems]))
+    print("wrote", write_result("latest", {"quick": args.quick, "partial": False, "systems": [s.name for s in systems],
+                                           "workloads": table}))
     try:
         plot(table, [s.name for s in systems])
         print("wrote", RESULTS / "latest.png")

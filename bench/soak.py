@@ -2,7 +2,8 @@
 
 The mix cycles through free, streaming, regex- and JSON-constrained requests over a few
 shared prefixes. After the load the server must be idle with every KV slot free or cached
-(checked through /get_server_info), and its resident memory must not have grown past a bound.
+(checked through /get_server_info), and its resident memory (VmRSS summed over the server process
+and its children) must not grow past a bound after a warm-up share of the load.
 
     python -m bench.soak                       # starts a server on the embedded model
     python -m bench.soak --url http://127.0.0.1:30000 --requests 200 --concurrency 16
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import time
@@ -73,26 +75,58 @@ def send(client: httpx.Client, req: dict[str, Any]) -> str | None:
     return None
 
 
-def rss_mb(pid: int) -> float | None:
+def _children(pid: int) -> list[int]:
+    """Direct children of pid, from /proc/<pid>/task/*/children (or every /proc/*/stat's ppid field)."""
+    kids: list[int] = []
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        return kids
     except OSError:
-        return None
-    return None
+        pass
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:  # fields after "(comm)": state, ppid
+                kids.append(int(entry))
+    return kids
+
+
+def rss_mb(pid: int) -> float | None:
+    """VmRSS of pid and all its descendants (the server may run as several processes), in MiB."""
+    total_kb, seen, todo = 0, set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:
+            if p == pid:
+                return None
+            continue
+        todo += _children(p)
+    return total_kb / 1024
 
 
 def soak(url: str, n: int, concurrency: int, pid: int | None = None, headers: dict | None = None,
-         time_limit_s: float = 600) -> dict[str, Any]:
+         time_limit_s: float = 600, warmup: int = 0) -> dict[str, Any]:
+    """Run n mixed requests; the first ``warmup`` of them come before the RSS baseline is read."""
     reqs = make_requests(n)
     with httpx.Client(base_url=url, timeout=120, headers=headers or {}) as client:
         send(client, reqs[0])  # warm: grammars compiled, prefixes cached
-        rss_before = rss_mb(pid) if pid else None
         started = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            errors = [e for e in pool.map(lambda r: send(client, r), reqs) if e]
+            errors = [e for e in pool.map(lambda r: send(client, r), reqs[:warmup]) if e]
+            rss_before = rss_mb(pid) if pid else None
+            errors += [e for e in pool.map(lambda r: send(client, r), reqs[warmup:]) if e]
         wall = time.perf_counter() - started
         if wall > time_limit_s:
             errors.append(f"took {wall:.0f} s, over the {time_limit_s:.0f} s limit")
@@ -104,7 +138,7 @@ def soak(url: str, n: int, concurrency: int, pid: int | None = None, headers: di
         mem = info["memory"]
         leaked = mem["kv_total_tokens"] - mem["kv_free_tokens"] - mem["kv_cached_tokens"]
     rss_after = rss_mb(pid) if pid else None
-    return {"requests": n, "concurrency": concurrency, "wall_s": wall, "errors": errors,
+    return {"requests": n, "warmup_requests": warmup, "concurrency": concurrency, "wall_s": wall, "errors": errors,
             "leaked_kv_slots": leaked, "running_after": info["num_running_reqs"],
             "rss_before_mb": rss_before, "rss_after_mb": rss_after,
             "rss_growth_mb": None if rss_before is None or rss_after is None else rss_after - rss_before}
@@ -115,13 +149,14 @@ def main() -> None:
     ap.add_argument("--url", help="a running server; absent: start one on the embedded model")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=50, help="requests before the RSS baseline")
     args = ap.parse_args()
     if args.url:
-        result = soak(args.url, args.requests, args.concurrency)
+        result = soak(args.url, args.requests, args.concurrency, warmup=args.warmup)
     else:
         from radixlang.lang.backends.runtime import Runtime
         with Runtime(log_level="warning") as runtime:  # the embedded model
-            result = soak(runtime.url, args.requests, args.concurrency, pid=runtime.pid)
+            result = soak(runtime.url, args.requests, args.concurrency, pid=runtime.pid, warmup=args.warmup)
     print(json.dumps(result, indent=2))
     ok = not result["errors"] and result["leaked_kv_slots"] == 0
     raise SystemExit(0 if ok else 1)

@@ -6,6 +6,7 @@ the runner can report tokens/s and the prompt-token cache hit rate.
 """
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -14,6 +15,7 @@ import torch
 
 from radixlang.lang.backends.base import Backend, GenParams, check_choices
 from radixlang.lang.backends.engine import EngineBackend
+from radixlang.lang.backends.runtime import Runtime
 from radixlang.lang.chat_template import ChatTemplate, from_jinja, match_chat_template
 from radixlang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide
 
@@ -114,14 +116,32 @@ class TransformersBackend(Backend):
             return Counters(**vars(self._counters))
 
 
+class CountingRuntime(Runtime):
+    """The radixlang HTTP server launched by the DSL's Runtime; counters from its /get_server_info."""
+
+    def counters(self) -> Counters:
+        info = self.get_server_info()
+        return Counters(int(info.get("prompt_tokens", 0)), int(info.get("cached_tokens", 0)),
+                        int(info.get("generated_tokens", 0)))
+
+
 @dataclass(frozen=True)
 class System:
-    """name, how many programs run at once, and how to open/close its backend."""
+    """name, how many programs run at once, and how to open/close its backend.
+
+    ``workloads``: the only workloads it runs (None: all); ``missing()`` says why it cannot run here."""
     name: str
     concurrency: int
+    workloads: tuple[str, ...] | None = None
 
     def open(self, model_dir: str) -> Any:
         raise NotImplementedError
+
+    def missing(self) -> str | None:
+        return None
+
+    def runs(self, workload: str) -> bool:
+        return self.workloads is None or workload in self.workloads
 
 
 @dataclass(frozen=True)
@@ -136,18 +156,65 @@ class RadixSystem(System):
 
 
 @dataclass(frozen=True)
+class ServerSystem(System):
+    def open(self, model_dir: str) -> CountingRuntime:
+        from bench.common import threads
+        return CountingRuntime(model_path=model_dir, max_total_tokens=65536, num_threads=threads(), log_level="warning")
+
+
+@dataclass(frozen=True)
 class TransformersSystem(System):
     def open(self, model_dir: str) -> TransformersBackend:
         return TransformersBackend(model_dir)
+
+
+def _missing(module: str, how: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"{module} does not import ({e}); {how}"
+    return None
+
+
+@dataclass(frozen=True)
+class LlamaCppSystem(System):
+    def open(self, model_dir: str) -> Any:
+        from bench.common import threads
+        from bench.peers import LlamaCppBackend
+        from radixlang.runtime.models.loader import default_model_path
+        return LlamaCppBackend(default_model_path(), model_dir, n_threads=threads())
+
+    def missing(self) -> str | None:
+        return _missing("llama_cpp", "pip install llama-cpp-python to add it")
+
+
+@dataclass(frozen=True)
+class OutlinesSystem(System):
+    def open(self, model_dir: str) -> Any:
+        from bench.peers import OutlinesBackend
+        return OutlinesBackend(model_dir)
+
+    def missing(self) -> str | None:
+        return _missing("outlines", "pip install outlines to add it")
 
 
 def close(backend: Any) -> None:
     engine = getattr(backend, "engine", None)
     if engine is not None:
         engine.shutdown()
+    else:
+        backend.shutdown()
 
 
 def default_systems(concurrency: int) -> list[System]:
-    return [RadixSystem("radixlang", concurrency),
-            RadixSystem("radixlang_no_cache", concurrency, (("disable_radix_cache", True),)),
-            TransformersSystem("transformers", 1)]
+    """Every system that can run here; the others are skipped with a message."""
+    systems = [RadixSystem("radixlang", concurrency),
+               RadixSystem("radixlang_no_cache", concurrency, engine_kwargs=(("disable_radix_cache", True),)),
+               ServerSystem("radixlang_server", concurrency),
+               TransformersSystem("transformers", 1),
+               LlamaCppSystem("llama.cpp", 1),
+               OutlinesSystem("outlines", 1, workloads=("json_extraction",))]
+    for system in systems:
+        if system.missing():
+            print(f"skipping {system.name}: {system.missing()}")
+    return [system for system in systems if not system.missing()]

@@ -13,8 +13,15 @@ from radixlang.lang.backends.runtime import Runtime
 
 
 @contextlib.contextmanager
-def live_server(model_dir: str, **server_args: Any) -> Iterator[str]:
-    """Yield the server's base URL; ``server_args`` are ServerArgs fields overriding the test defaults."""
+def live_runtime(model_dir: str, **server_args: Any) -> Iterator[Runtime]:
+    """Yield the Runtime (``.url``, ``.pid``); ``server_args`` are ServerArgs fields overriding the test defaults."""
     args = {"load_format": "dummy", "max_total_tokens": 4096, "log_level": "warning", **server_args}
     with Runtime(model_path=model_dir, launch_timeout=120, **args) as runtime:
+        yield runtime
+
+
+@contextlib.contextmanager
+def live_server(model_dir: str, **server_args: Any) -> Iterator[str]:
+    """Yield the server's base URL (see live_runtime)."""
+    with live_runtime(model_dir, **server_args) as runtime:
         yield runtime.url

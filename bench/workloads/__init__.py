@@ -28,6 +28,6 @@ class Workload:
 
 
 def all_workloads() -> list[Workload]:
-    from bench.workloads import agent, chat, hellaswag, json_extract, mmlu, skeleton, tree_of_thought
+    from bench.workloads import agent, chat, fewshot, hellaswag, json_extract, mmlu, skeleton, tree_of_thought
     return [mmlu.GEN, mmlu.SELECT, hellaswag.WORKLOAD, json_extract.WORKLOAD, chat.SHORT, chat.LONG,
-            agent.WORKLOAD, tree_of_thought.WORKLOAD, skeleton.WORKLOAD]
+            agent.WORKLOAD, tree_of_thought.WORKLOAD, skeleton.WORKLOAD, fewshot.WORKLOAD]

@@ -126,6 +126,9 @@ class Scheduler:
             params.max_new_tokens = self.runner.context_len - len(tr.input_ids)
         if len(tr.input_ids) + 1 > self.kv_pool.size:
             raise ValueError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}")
+        room = self.kv_pool.size - len(tr.input_ids)
+        if params.max_new_tokens > room:  # a lone request past the pool could not be retracted: cap it, as for context
+            params.max_new_tokens = room
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:

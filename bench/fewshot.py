@@ -1,0 +1,58 @@
+"""Issue #8's headline: 32 requests sharing a ~419-token few-shot prefix, 16 new tokens each (greedy).
+
+    python -m bench.fewshot            # radixlang Engine vs llama.cpp vs transformers, in one run
+
+Every system runs all 32 programs of the same dataset (bench/workloads/fewshot.py): radixlang with
+all 32 in flight, llama.cpp and transformers one at a time (how llama.cpp's server serves them with
+one slot and 2 threads). The goal is radixlang >= 3x faster than llama.cpp in wall time. Systems that
+cannot run here (llama-cpp-python not installed) are skipped with a message.
+Writes bench/results/fewshot.json.
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.common import write_result
+from bench.run_all import run_workload
+from bench.systems import System, close, default_systems
+from bench.workloads import fewshot
+
+GOAL = 3.0  # radixlang at least this many times faster than llama.cpp
+SYSTEMS = ("radixlang", "llama.cpp", "transformers")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=32, help="programs per system")
+    ap.add_argument("--systems", nargs="*", default=list(SYSTEMS), help=f"any of the run_all systems (default {SYSTEMS})")
+    args = ap.parse_args()
+    from radixlang.runtime.models.loader import resolve_model_dir
+    model_dir = resolve_model_dir(None)
+    systems: list[System] = [s for s in default_systems(args.n) if s.name in args.systems]
+    rows = {}
+    for system in systems:
+        backend = system.open(model_dir)
+        try:
+            rows[system.name] = run_workload(fewshot.WORKLOAD, backend, args.n, system.concurrency)
+        finally:
+            close(backend)
+        row = rows[system.name]
+        print(f"{system.name:14s} " + (f"ERROR {row['error']}" if "error" in row else
+              f"{row['seconds']:7.2f} s  {row['programs_s']:6.2f} programs/s  {row['tokens_s']:7.1f} tok/s  "
+              f"hit rate {row['hit_rate']:.2f}"), flush=True)
+    base = rows.get("radixlang", {}).get("seconds")
+    for name, row in rows.items():
+        if base and "seconds" in row:
+            row["radixlang_speedup"] = row["seconds"] / base
+    if base and "seconds" in rows.get("llama.cpp", {}):
+        speedup = rows["llama.cpp"]["radixlang_speedup"]
+        print(f"radixlang vs llama.cpp: {speedup:.2f}x faster (goal >= {GOAL:.0f}x: "
+              f"{'met' if speedup >= GOAL else 'NOT met'})")
+    if base and "seconds" in rows.get("transformers", {}):
+        print(f"radixlang vs transformers: {rows['transformers']['radixlang_speedup']:.2f}x faster")
+    print("wrote", write_result("fewshot", {"programs": args.n, "prefix_tokens": 419, "new_tokens": fewshot.NEW_TOKENS,
+                                             "goal_vs_llama_cpp": GOAL, "systems": rows}))
+
+
+if __name__ == "__main__":
+    main()
