@@ -18,7 +18,7 @@ from bench.systems import System, close, default_systems
 from bench.workloads import fewshot
 
 GOAL = 3.0  # radixlang at least this many times faster than llama.cpp
-SYSTEMS = ("radixlang", "llama.cpp", "transformers")
+SYSTEMS = ("radixlang", "radixlang_bf16", "llama.cpp", "transformers")
 
 
 def main() -> None:
@@ -48,6 +48,11 @@ def main() -> None:
         speedup = rows["llama.cpp"]["radixlang_speedup"]
         print(f"radixlang vs llama.cpp: {speedup:.2f}x faster (goal >= {GOAL:.0f}x: "
               f"{'met' if speedup >= GOAL else 'NOT met'})")
+    if "seconds" in rows.get("radixlang_bf16", {}) and "seconds" in rows.get("llama.cpp", {}):
+        bf16 = rows["llama.cpp"]["seconds"] / rows["radixlang_bf16"]["seconds"]
+        rows["radixlang_bf16"]["speedup_vs_llama_cpp"] = bf16
+        print(f"radixlang --dtype bfloat16 vs llama.cpp: {bf16:.2f}x faster (goal >= {GOAL:.0f}x: "
+              f"{'met' if bf16 >= GOAL else 'NOT met'}; llama.cpp runs the GGUF's 4-bit weights)")
     if base and "seconds" in rows.get("transformers", {}):
         print(f"radixlang vs transformers: {rows['transformers']['radixlang_speedup']:.2f}x faster")
     print("wrote", write_result("fewshot", {"programs": args.n, "prefix_tokens": 419, "new_tokens": fewshot.NEW_TOKENS,

@@ -175,10 +175,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few programs per workload (under 5 minutes)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--concurrency", type=int, default=16, help="programs in flight for the radixlang systems")
+    ap.add_argument("--systems", nargs="*", help="system names to run (default: all that can run here but "
+                                                   "radixlang_bf16)")
     args = ap.parse_args()
     from radixlang.runtime.models.loader import resolve_model_dir
     workloads = [w for w in all_workloads() if not args.only or w.name in args.only]
-    systems = default_systems(args.concurrency)
+    systems = [s for s in default_systems(args.concurrency)
+               if (s.name in args.systems if args.systems else s.name != "radixlang_bf16")]
     table = run(workloads, systems, resolve_model_dir(None), args.quick)
     print_table(table)
     print(markdown_table(table, [s.name for s in systems]))

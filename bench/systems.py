@@ -209,6 +209,9 @@ def close(backend: Any) -> None:
 def default_systems(concurrency: int) -> list[System]:
     """Every system that can run here; the others are skipped with a message."""
     systems = [RadixSystem("radixlang", concurrency),
+               # weights and activations in bfloat16 (KV and attention stay float32 on the CPU): lossy, and
+               # only fast on CPUs with native bf16 dot products (AVX512-BF16, AMX)
+               RadixSystem("radixlang_bf16", concurrency, engine_kwargs=(("dtype", "bfloat16"),)),
                RadixSystem("radixlang_no_cache", concurrency, engine_kwargs=(("disable_radix_cache", True),)),
                ServerSystem("radixlang_server", concurrency),
                TransformersSystem("transformers", 1),
