@@ -29,7 +29,8 @@ class ServerArgs:
     load_format: str = _f("auto", "how to read weights", ("auto", "safetensors", "gguf", "dummy"))
     served_model_name: str | None = _f(None, "model name reported by the API; defaults to the model path")
     context_length: int | None = _f(None, "max tokens per request (prompt + output); defaults to the model's")
-    dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA",
+    dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA (on the CPU the KV pool and "
+                                  "attention stay float32)",
                     ("auto", "float32", "float16", "bfloat16"))
     device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     quantization: str | None = _f(None, "int8: weight-only int8 linears on the CPU (lossy; ~2x batch-1 decode)",
