@@ -32,7 +32,7 @@ def test_server_system_runs_programs_over_http(tiny_model_dir):
 
 def test_missing_optional_systems_are_skipped(capsys):
     names = [s.name for s in default_systems(4)]
-    assert names[:4] == ["radixlang", "radixlang_no_cache", "radixlang_server", "transformers"]
+    assert names[:5] == ["radixlang", "radixlang_bf16", "radixlang_no_cache", "radixlang_server", "transformers"]
     out = capsys.readouterr().out
     for name in ("llama.cpp", "outlines"):
         assert (name in names) != (f"skipping {name}" in out)
