@@ -11,18 +11,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from radixlang.lang.backends.base import Backend, GenParams, check_choices
+from radixlang.lang.backends.base import Backend, GenParams, check_choices, common_prefix_len
 from radixlang.lang.chat_template import ChatTemplate, from_jinja, match_chat_template
 from radixlang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide
 
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _stops(params: dict[str, Any]) -> list[str]:
@@ -56,7 +48,7 @@ class LlamaCppBackend(Backend):
 
     def _reused(self, llm: Any, ids: list[int]) -> int:
         # what Llama.generate keeps: the common prefix with the last sequence, minus one token to re-eval
-        return min(_common_prefix_len(llm.input_ids[:llm.n_tokens].tolist(), ids), len(ids) - 1)
+        return min(common_prefix_len(llm.input_ids[:llm.n_tokens].tolist(), ids), len(ids) - 1)
 
     def generate(self, state_text: str, sampling: GenParams, *,
                  messages: list[dict[str, str]] | None = None) -> tuple[str, dict[str, Any]]:
@@ -98,7 +90,7 @@ class LlamaCppBackend(Backend):
                 keep = max(self._reused(llm, ids), 0)
                 llm.n_tokens = keep  # eval() drops the KV past n_tokens, so the shared prefix is reused
                 llm.eval(ids[keep:])
-                start = min(max(_common_prefix_len(prefix_ids, ids), 1), len(ids) - 1)
+                start = min(max(common_prefix_len(prefix_ids, ids), 1), len(ids) - 1)
                 logits = llm.scores[start - 1:len(ids) - 1].astype(np.float64)  # [num_choice_tokens, vocab]
                 logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
                 rows.append([(float(logp[i, t]), t, None) for i, t in enumerate(ids[start:])])

@@ -126,15 +126,12 @@ class Engine:
         self.replicas[p.replica].post(add)
         return p
 
-    def _expand(self, prompt, sampling_params, input_ids) -> list[tuple[list[int], str | None, dict]]:
-        return expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
-
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int = 0, stream: bool = False,
                  rid: str | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or many (a list of dicts, n expanded in order)."""
-        items = self._expand(prompt, sampling_params, input_ids)
+        items = expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
         batched = is_batched(prompt, input_ids, len(items))
         if stream:
             if len(items) != 1:

@@ -14,8 +14,9 @@ from radixlang.runtime.models.loader import load_model
 from tiny_model import make_tiny_model_dir
 
 
-def _run_ours(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """One EXTEND pass over the whole prompt through the paged pool; logits of every position."""
+def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = False) -> torch.Tensor:
+    """Logits of every position through the paged pool: one EXTEND over the prompt, or with
+    ``decode_last`` an EXTEND over ids[:-1] then a DECODE of ids[-1]; [n, vocab]."""
     n = len(ids)
     pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
                          head_dim=model.head_dim, dtype=torch.float32, device="cpu")
@@ -23,12 +24,18 @@ def _run_ours(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     loc = pool.alloc(n)
     reqs.req_to_token[0, :n] = loc.to(torch.int32)
     backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
-    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor(ids),
-                      positions=torch.arange(n), req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([n]),
-                      seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n], out_cache_loc=loc,
-                      req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
-    backend.init_forward_metadata(fb)
-    return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+    cut = n - 1 if decode_last else n
+    steps = [(ForwardMode.EXTEND, 0, cut)] + ([(ForwardMode.DECODE, cut, n)] if decode_last else [])
+    out = []
+    for mode, start, end in steps:
+        fb = ForwardBatch(forward_mode=mode, batch_size=1, input_ids=torch.tensor(ids[start:end]),
+                          positions=torch.arange(start, end), req_pool_indices=torch.tensor([0]),
+                          seq_lens=torch.tensor([end]), seq_lens_cpu=[end], extend_prefix_lens_cpu=[start],
+                          extend_seq_lens_cpu=[end - start], out_cache_loc=loc[start:end],
+                          req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
+        backend.init_forward_metadata(fb)
+        out.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
+    return torch.cat(out)
 
 
 def _hf_logits(folder: str, ids: list[int], state_dict=None) -> torch.Tensor:

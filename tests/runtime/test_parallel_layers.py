@@ -9,14 +9,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from radixlang.kernels.attention.base import ForwardMode
-from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
-from radixlang.runtime.forward_batch import ForwardBatch
-from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM, check_tensor_parallel
 from radixlang.runtime.models.loader import random_weights
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab)
+from test_models import _run_ours
 from tiny_model import make_tiny_model_dir
 
 
@@ -104,27 +101,6 @@ def test_head_splits_and_refusals():
         kv_heads_per_rank(12, 4, 6)
 
 
-def _prefill_then_decode(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Logits of an EXTEND over ids[:-1] then a DECODE of ids[-1], through the paged pool: [n, vocab]."""
-    n = len(ids)
-    pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
-                         head_dim=model.head_dim, dtype=torch.float32, device="cpu")
-    reqs = ReqToTokenPool(2, n + 4, "cpu")
-    loc = pool.alloc(n)
-    reqs.req_to_token[0, :n] = loc.to(torch.int32)
-    backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
-    out = []
-    for mode, start, end in ((ForwardMode.EXTEND, 0, n - 1), (ForwardMode.DECODE, n - 1, n)):
-        fb = ForwardBatch(forward_mode=mode, batch_size=1, input_ids=torch.tensor(ids[start:end]),
-                          positions=torch.arange(start, end), req_pool_indices=torch.tensor([0]),
-                          seq_lens=torch.tensor([end]), seq_lens_cpu=[end], extend_prefix_lens_cpu=[start],
-                          extend_seq_lens_cpu=[end - start], out_cache_loc=loc[start:end],
-                          req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
-        backend.init_forward_metadata(fb)
-        out.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("kw,size", [
     ({}, 2),  # 4 heads / 2 kv heads: both split
     ({}, 4),  # 2 kv heads over 4 ranks: replicated
@@ -136,12 +112,12 @@ def test_sharded_model_matches_single_rank(tmp_path, kw, size):
     ids = [5, 17, 300, 4000, 12, 49000, 7]
     dense = LlamaForCausalLM(config)
     dense.load_weights(random_weights(config, seed=1))
-    want = _prefill_then_decode(dense, ids)
+    want = _run_ours(dense, ids, decode_last=True)
 
     def rank(comm):
         model = LlamaForCausalLM(config, tp=comm)
         model.load_weights(random_weights(config, seed=1))
-        return _prefill_then_decode(model, ids)
+        return _run_ours(model, ids, decode_last=True)
     for got in _on_ranks(size, rank):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 

@@ -102,3 +102,13 @@ def raise_if_aborted(meta: dict[str, Any], where: str) -> None:
     reason = meta.get("finish_reason") or {}
     if isinstance(reason, dict) and reason.get("type") == "abort":
         raise RuntimeError(f"{where}: request aborted: {reason.get('message', 'no message')}")
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share (where a choice's own tokens start)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

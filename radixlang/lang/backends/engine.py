@@ -10,18 +10,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterator, Sequence
 
-from radixlang.lang.backends.base import Backend, GenParams, check_choices, raise_if_aborted
+from radixlang.lang.backends.base import Backend, GenParams, check_choices, common_prefix_len, raise_if_aborted
 from radixlang.lang.chat_template import ChatTemplate, from_jinja, match_chat_template
 from radixlang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide
 
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class EngineBackend(Backend):
@@ -69,7 +61,7 @@ class EngineBackend(Backend):
         if len(prefix_ids) > 1:
             self._prefill(prefix_ids)  # the shared prefix is computed once; the choices hit the cache
         full = [encode(state_text + c) for c in choices]
-        starts = [max(_common_prefix_len(prefix_ids, ids), 1) for ids in full]
+        starts = [max(common_prefix_len(prefix_ids, ids), 1) for ids in full]
         outs = self._batch(full, starts)
         rows = []
         for out in outs:
