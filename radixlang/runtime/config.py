@@ -37,7 +37,7 @@ class ServerArgs:
                                   (None, "int8"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
     num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "
-                                          "divided among a node's tensor-parallel ranks")
+                                          "divided among a node's processes (dp replicas x tensor-parallel ranks)")
     # memory and scheduling
     max_total_tokens: int | None = _f(None, "KV pool size in tokens; defaults from mem_fraction_static")
     mem_fraction_static: float = _f(0.15, "fraction of free memory for the KV pool when max_total_tokens is unset")
@@ -125,7 +125,8 @@ class ServerArgs:
             changes["attention_backend"] = _pick_attention_backend(device)
         if self.num_threads is None and device == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            changes["num_threads"] = max(1, cores // (self.tp_size // self.nnodes))  # a node's ranks share its cores
+            # every process of the node shares its cores: each dp replica's tensor-parallel ranks on this node
+            changes["num_threads"] = max(1, cores // (self.dp_size * (self.tp_size // self.nnodes)))
         if changes:
             logger.info("resolved: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
         return dataclasses.replace(self, **changes)

@@ -7,7 +7,6 @@ may be called from many threads at once and their requests are batched together.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -48,7 +47,7 @@ class Engine:
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        args = _share_cores(ServerArgs(**kwargs))  # a misspelled option is a TypeError
+        args = ServerArgs(**kwargs)  # a misspelled option is a TypeError
         self.schedulers = [self._make_scheduler(args, i) for i in range(args.dp_size)]
         self.scheduler = self.schedulers[0]
         self.server_args = self.scheduler.args
@@ -213,14 +212,6 @@ async def _aiter_from_thread(it: Iterator[dict]) -> AsyncIterator[dict]:
         if item is sentinel:
             return
         yield item
-
-
-def _share_cores(args: ServerArgs) -> ServerArgs:
-    """With several replicas on the CPU and no num_threads given, each gets its share of the cores."""
-    if args.dp_size == 1 or args.num_threads is not None:
-        return args
-    cores = args.resolve().num_threads
-    return dataclasses.replace(args, num_threads=max(1, cores // args.dp_size)) if cores else args
 
 
 def _version() -> str:
