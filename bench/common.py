@@ -34,6 +34,19 @@ def hf_generate(model, ids: list[int], new_tokens: int) -> int:
     return int(out.shape[1] - len(ids))
 
 
+def model_weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter, plus packed linears (runtime/models/packed.py)
+    in place of the plain weights they replaced; with a packed copy of tied embeddings for the logits,
+    that copy instead of the embedding table (a lookup reads one row of it)."""
+    from radixlang.runtime.models.packed import PackedLinear
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    skip = set()
+    if isinstance(getattr(model, "lm_head", None), PackedLinear) and getattr(model, "embed_tokens", None) is not None:
+        skip.add(id(model.embed_tokens.weight))
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    return params + sum(m.weight_bytes() for m in packed)
+
+
 def copy_bandwidth_gbs(num_bytes: int = 1 << 28, reps: int = 5) -> float:
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)

@@ -54,6 +54,8 @@ class ServerArgs:
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
     # kernels
     attention_backend: str = _f("auto", "attention kernels", ("auto", "torch", "triton", "flashinfer"))
+    disable_weight_packing: bool = _f(False, "keep plain float weights on the CPU instead of packing the linears "
+                                             "into oneDNN's blocked layout (packed is ~1.5-2x faster)")
     disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA")
     cuda_graph_max_bs: int = _f(160, "largest decode batch captured as a CUDA graph")
     # server

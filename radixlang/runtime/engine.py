@@ -7,6 +7,7 @@ may be called from many threads at once and their requests are batched together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -48,21 +49,28 @@ class Engine:
 
     def __init__(self, **kwargs: Any) -> None:
         args = ServerArgs(**kwargs)  # a misspelled option is a TypeError
-        self.schedulers = [self._make_scheduler(args, i) for i in range(args.dp_size)]
-        self.scheduler = self.schedulers[0]
-        self.server_args = self.scheduler.args
-        self.tokenizer = self.scheduler.tokenizer
-        policy = self.server_args.load_balance_method if args.dp_size > 1 else "round_robin"
-        self.router = Router(args.dp_size, policy=policy, max_tree_tokens=self.scheduler.kv_pool.size)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         names = ["radixlang-scheduler"] if args.dp_size == 1 else \
             [f"radixlang-scheduler-{i}" for i in range(args.dp_size)]
-        self.replicas = [SchedulerThread(s, index=i, name=names[i], deliver=self._deliver, on_error=self._fail)
-                         for i, s in enumerate(self.schedulers)]
+        # each replica's thread loads its own model (replicas load side by side) and then runs it
+        self.replicas = [SchedulerThread(functools.partial(self._make_scheduler, args, i), index=i, name=names[i],
+                                         deliver=self._deliver, on_error=self._fail)
+                         for i in range(args.dp_size)]
         for r in self.replicas:
             r.start()
+        try:
+            self.schedulers = [r.wait_built() for r in self.replicas]
+        except BaseException:
+            for r in self.replicas:
+                r.stop()
+            raise
+        self.scheduler = self.schedulers[0]
+        self.server_args = self.scheduler.args
+        self.tokenizer = self.scheduler.tokenizer
+        policy = self.server_args.load_balance_method if args.dp_size > 1 else "round_robin"
+        self.router = Router(args.dp_size, policy=policy, max_tree_tokens=self.scheduler.kv_pool.size)
 
     @staticmethod
     def _make_scheduler(args: ServerArgs, index: int) -> Scheduler:

@@ -21,6 +21,7 @@ from radixlang.runtime.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
+from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
 from radixlang.runtime.tp_worker import TPLeader
 
@@ -67,6 +68,9 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device)
+        elif self.device == "cpu" and not args.disable_weight_packing:
+            packed = pack_model_(self.model)
+            logger.info("packed %d linear layers into oneDNN's layout", packed)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 4096) or 4096)

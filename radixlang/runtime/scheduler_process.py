@@ -39,32 +39,42 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
                         format=f"[%(asctime)s scheduler-{replica} %(name)s] %(message)s")
     from radixlang.runtime.scheduler import Scheduler  # the heavy import: torch and the model code
 
+    # The model is loaded and run on one worker thread, as in Engine: the same steps issued from the
+    # main thread ran about 10x slower with 2 torch threads on a busy 2-core host (measured, tiny
+    # model), and loading on one thread but stepping on another left two OpenMP teams, which ran
+    # oneDNN's packed matmuls ~1.6x slower (see runtime/replica.py).
+    failed: list[BaseException] = []
+    parent = ParentWatch()
+    ctx = zmq.Context()
+    worker = threading.Thread(target=_serve, args=(Scheduler, args, replica, ipc_folder, ctx, ready, failed),
+                              name="radixlang-scheduler", daemon=True)
+    worker.start()
+    worker.join()
+    ctx.destroy(linger=0)
+    if not parent.parent_alive():  # the server was killed: nobody else will remove the sockets
+        remove_private_dir(ipc_folder)
+    if failed:  # the launcher sees the exit code and stops the server
+        raise SystemExit(1)
+
+
+def _serve(scheduler_cls: Any, args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
+           ready: Connection, failed: list[BaseException]) -> None:
     try:
-        scheduler = Scheduler(args)
+        scheduler = scheduler_cls(args)
     except BaseException as e:
         logger.exception("the scheduler failed to start")
         ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(),
                                                error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
-        raise SystemExit(1) from None
+        failed.append(e)
+        return
     ipc = IpcNames(ipc_folder)
-    ctx = zmq.Context()
     loop = SchedulerLoop(scheduler, recv=pull_socket(ctx, ipc.scheduler(replica)),
                          send=push_socket(ctx, ipc.detokenizer))
     runner = scheduler.runner
     ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(), server_args=scheduler.args.to_dict(),
                                            model_path=runner.model_path, tokenizer_path=runner.tokenizer_path)))
     ready.close()
-    # The loop runs on a thread, as in Engine: the same steps issued from the main thread ran about
-    # 10x slower with 2 torch threads on a busy 2-core host (measured, tiny model), a thread did not.
-    failed: list[BaseException] = []
-    worker = threading.Thread(target=_run_loop, args=(loop, failed), name="radixlang-scheduler", daemon=True)
-    worker.start()
-    worker.join()
-    ctx.destroy(linger=0)
-    if not loop.parent.parent_alive():  # the server was killed: nobody else will remove the sockets
-        remove_private_dir(ipc_folder)
-    if failed:  # the launcher sees the exit code and stops the server
-        raise SystemExit(1)
+    _run_loop(loop, failed)
 
 
 def _run_loop(loop: SchedulerLoop, failed: list[BaseException]) -> None:

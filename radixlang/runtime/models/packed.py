@@ -1,0 +1,91 @@
+"""Linear layers whose weights are pre-packed in oneDNN's blocked layout (the CPU default).
+
+``F.linear`` on a plain ``[out, in]`` weight leaves the CPU matmul library to re-read the weight
+in a layout it was not made for on every call. oneDNN can reorder the weight once into its
+blocked layout; its matmul then streams it at close to memory bandwidth for a decode's few rows
+and runs larger tiles for batches. Measured on a 2-core AVX-512 VM over SmolLM2-135M's 30 layers
+of linears: float32 at 1 row 20 ms against 40 ms for ``F.linear``, at 32 rows 48 ms against
+87 ms, at 600 rows 0.69 s against 0.97 s; bfloat16 at 1 row 14.5 ms against 25.6 ms.
+
+The packed weight is opaque (an mkldnn-layout tensor): only its matmul can read it. So packing
+runs once, after the weights are loaded; with tied embeddings the logits projection gets its own
+packed copy (the embedding lookup keeps the plain table), which costs vocab x hidden more weight
+memory and halves the logits matmul. The ops are PyTorch's own (the ones its compiler's CPU
+freezing pass uses); where they are missing the model keeps plain ``nn.Linear``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# the batch size oneDNN is told to expect when it picks a blocking; measured: a hint of 32 is as fast
+# as a hint of 1 at one row and up to 2x faster from 2 rows on (float32)
+PACK_ROWS_HINT = 32
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return (torch.ops.mkldnn._reorder_linear_weight is not None
+                and torch.ops.mkldnn._linear_pointwise is not None)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout; same numbers as nn.Linear to float rounding."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+            raise ValueError(f"PackedLinear takes a float32 or bfloat16 CPU weight, got {weight.dtype} "
+                             f"on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        self.bias = None if bias is None else bias.detach().clone()
+        self.dtype = weight.dtype
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features * torch.empty(0, dtype=self.dtype).element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+def pack_model_(model: nn.Module) -> int:
+    """Replace the model's plain nn.Linear layers (and the tied logits projection) in place.
+
+    Returns how many layers were packed; 0 when packing is unavailable or the weights are not
+    float32/bfloat16 on the CPU. Tensor-parallel row layers (subclasses) keep F.linear.
+    """
+    if not packing_available():
+        logger.info("oneDNN weight packing is unavailable in this PyTorch build; linears stay plain")
+        return 0
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKABLE_DTYPES:
+                setattr(module, name, PackedLinear.from_linear(child))
+                count += 1
+    embed = getattr(model, "embed_tokens", None)
+    if (count and getattr(model, "lm_head", "absent") is None and type(embed) is nn.Embedding
+            and embed.weight.dtype in PACKABLE_DTYPES):
+        model.lm_head = PackedLinear(embed.weight, None)  # tied: the logits get their own packed copy
+        count += 1
+    return count
