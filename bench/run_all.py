@@ -7,10 +7,16 @@ system's throughput relative to radixlang; writes bench/results/latest.json and
 bench/results/latest.png (normalized throughput per workload, radixlang = 1).
 A workload that fails on a system (e.g. JSON where a system has no constrained
 decoding) becomes an error row instead of stopping the run.
+
+Each system runs in its own child process: two systems' torch (or llama.cpp) thread teams alive
+in one process slow each other (libgomp stops spinning between parallel regions once it manages
+more threads than there are cores: measured up to 2x on small matmuls), and a fresh process
+gives every system the same clean start.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,26 +89,65 @@ def _programs(workload: Workload, system: System, quick: bool) -> int:
     return n if system.concurrency > 1 else max(1, n // 4)  # the serial baseline gets fewer, same prompts
 
 
+def run_system(system: System, workloads: list[Workload], model_dir: str, quick: bool | int):
+    """Yield (workload name, metrics row) for each workload the system runs, measured in a child process.
+
+    ``quick``: True/False picks each workload's quick_n/full_n programs; an int runs that many."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_system_child, args=(system, [w.name for w in workloads], model_dir, quick, send),
+                        daemon=True)
+    child.start()
+    send.close()
+    try:
+        while True:
+            try:
+                msg = recv.recv()
+            except EOFError:  # the child died without a word (killed, out of memory)
+                yield None, {"error": f"the {system.name} process exited with code {child.exitcode}"}
+                return
+            if msg is None:
+                return
+            yield msg
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+
+
+def _system_child(system: System, names: list[str], model_dir: str, quick: bool | int, conn) -> None:
+    try:
+        by_name = {w.name: w for w in all_workloads()}
+        backend = system.open(model_dir)
+        try:
+            for name in names:
+                w = by_name[name]
+                started = time.perf_counter()
+                n = quick if not isinstance(quick, bool) else _programs(w, system, quick)
+                row = run_workload(w, backend, n, system.concurrency)
+                row["cell_s"] = time.perf_counter() - started
+                conn.send((name, row))
+        finally:
+            close(backend)
+    except Exception as e:  # the system could not start: every remaining cell reports it
+        conn.send((None, {"error": f"{type(e).__name__}: {e}"}))
+    conn.send(None)
+    conn.close()
+
+
 def run(workloads: list[Workload], systems: list[System], model_dir: str, quick: bool) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
     with tqdm(total=len(workloads) * len(systems), desc="bench") as bar:
         for system in systems:
-            backend = system.open(model_dir)
-            try:
-                for w in workloads:
-                    if not system.runs(w.name):
-                        bar.update()
-                        continue
-                    bar.set_postfix_str(f"{system.name}/{w.name}")
-                    started = time.perf_counter()
-                    row = run_workload(w, backend, _programs(w, system, quick), system.concurrency)
-                    row["cell_s"] = time.perf_counter() - started
-                    table[w.name][system.name] = row
-                    # every finished cell is on disk: an interrupted run keeps what it measured
-                    write_result("latest", {"quick": quick, "partial": True, "workloads": _with_ratios(table)})
+            mine = [w for w in workloads if system.runs(w.name)]
+            bar.update(len(workloads) - len(mine))
+            bar.set_postfix_str(system.name)
+            for name, row in run_system(system, mine, model_dir, quick):
+                for w in ([w.name for w in mine if system.name not in table[w.name]] if name is None else [name]):
+                    table[w][system.name] = row
                     bar.update()
-            finally:
-                close(backend)
+                # every finished cell is on disk: an interrupted run keeps what it measured
+                write_result("latest", {"quick": quick, "partial": True, "workloads": _with_ratios(table)})
     return _with_ratios(table)
 
 

@@ -151,7 +151,8 @@ class RadixSystem(System):
     def open(self, model_dir: str) -> CountingEngineBackend:
         from bench.common import threads
         from radixlang import Engine
-        engine = Engine(model_path=model_dir, max_total_tokens=65536, num_threads=threads(), **dict(self.engine_kwargs))
+        kwargs = {"max_total_tokens": 65536, "num_threads": threads(), **dict(self.engine_kwargs)}
+        engine = Engine(model_path=model_dir, **kwargs)
         return CountingEngineBackend(engine)
 
 
