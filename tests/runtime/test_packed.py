@@ -17,7 +17,7 @@ def test_packed_linear_matches_linear(bias, dtype):
     lin = nn.Linear(96, 200, bias=bias).to(dtype)
     packed = PackedLinear.from_linear(lin)
     assert packed.packed.layout == torch._mkldnn  # the weight really is in the blocked layout
-    for lead in ((1,), (3,), (70,), (2, 5)):  # decode rows, a batch, a prefill, a 3-D input
+    for lead in ((1,), (3,), (70,), (600,), (2, 5)):  # decode rows, a batch, prefills (600: sliced), 3-D
         x = torch.randn(*lead, 96).to(dtype)
         with torch.inference_mode():
             ref, out = lin(x), packed(x)

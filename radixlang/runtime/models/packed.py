@@ -25,6 +25,27 @@ logger = logging.getLogger(__name__)
 # the batch size oneDNN is told to expect when it picks a blocking; measured: a hint of 32 is as fast
 # as a hint of 1 at one row and up to 2x faster from 2 rows on (float32)
 PACK_ROWS_HINT = 32
+# oneDNN compiles and caches kernels per row count: ~0.25 MB each here, ~490 MB once 500 distinct
+# row counts had gone through four layer shapes (measured), and a server's memory grew with every
+# new prompt length. So a matmul runs in slices of at most CHUNK_ROWS rows, and a slice of more than
+# EXACT_ROWS rows is padded up to one of 8 sizes per power of two (at most 1/8 more rows): 56 row
+# counts in all, compiled once per weight shape when the model is packed (``warm_up``).
+EXACT_ROWS = 32
+CHUNK_ROWS = 256
+
+
+def bucket_rows(m: int) -> int:
+    """The row count a slice of m <= CHUNK_ROWS rows runs at: m itself up to EXACT_ROWS, then rounded
+    up to a multiple of 2^(bit_length(m) - 4)."""
+    if m <= EXACT_ROWS:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
+def row_counts() -> list[int]:
+    """Every row count a packed matmul runs at."""
+    return sorted({bucket_rows(m) for m in range(1, CHUNK_ROWS + 1)})
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -61,8 +82,26 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        m = x2.shape[0]
+        if m <= CHUNK_ROWS:
+            y = self._matmul(x2)
+        else:
+            y = torch.cat([self._matmul(x2[i:i + CHUNK_ROWS]) for i in range(0, m, CHUNK_ROWS)])
         return y.view(*lead, self.out_features)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        m = x2.shape[0]
+        rows = bucket_rows(m)
+        if rows != m:
+            x2 = torch.cat([x2, x2.new_zeros(rows - m, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y if rows == m else y[:m]
+
+    def warm_up(self) -> None:
+        """Run every row count once, so that oneDNN compiles this weight shape's kernels now."""
+        with torch.inference_mode():
+            for rows in row_counts():
+                self._matmul(torch.zeros(rows, self.in_features, dtype=self.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
@@ -88,4 +127,9 @@ def pack_model_(model: nn.Module) -> int:
             and embed.weight.dtype in PACKABLE_DTYPES):
         model.lm_head = PackedLinear(embed.weight, None)  # tied: the logits get their own packed copy
         count += 1
+    warmed = set()
+    for m in model.modules():  # kernels are cached per weight shape: one layer of each shape compiles them
+        if isinstance(m, PackedLinear) and (key := (m.out_features, m.in_features, m.dtype, m.bias is None)) not in warmed:
+            warmed.add(key)
+            m.warm_up()
     return count
