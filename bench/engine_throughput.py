@@ -52,7 +52,6 @@ def main() -> None:
     new_tokens = 32 if args.quick else 64
     rng = random.Random(0)
     greedy = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    batch_params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     prompts = [[rng.randrange(200, 40000) for _ in range(rng.randrange(16, 256))] for _ in range(32)]
     long_prompt = [rng.randrange(200, 40000) for _ in range(1000)]
 
@@ -64,7 +63,7 @@ def main() -> None:
             eng.generate(input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 4})  # warm up
             out, t = timed(eng.generate, input_ids=prompt, sampling_params=greedy)
             _, t_pre = timed(eng.generate, input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 1})
-            _, t_batch = timed(eng.generate, input_ids=prompts, sampling_params=batch_params)
+            _, t_batch = timed(eng.generate, input_ids=prompts, sampling_params=greedy)
             eng.flush_cache()
             _, t_fill = timed(eng.generate, input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
             return {"prompt": prompt, "output_ids": out["output_ids"], "b1": (new_tokens - 1) / max(t - t_pre, 1e-9),

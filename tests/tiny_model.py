@@ -55,3 +55,17 @@ def make_tiny_safetensors_dir(path: str, *, num_layers: int = 2, hidden: int = 6
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def tied_toy_model():
+    """Two linears and tied embeddings (``lm_head`` None): what quantize_model_ / pack_model_ rewrite."""
+    from torch import nn
+
+    class TiedToy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(50, 16)
+            self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+            self.lm_head = None
+
+    return TiedToy()

@@ -37,8 +37,6 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
     args = ServerArgs(**orjson.loads(args_json))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s scheduler-{replica} %(name)s] %(message)s")
-    from radixlang.runtime.scheduler import Scheduler  # the heavy import: torch and the model code
-
     # The model is loaded and run on one worker thread, as in Engine: the same steps issued from the
     # main thread ran about 10x slower with 2 torch threads on a busy 2-core host (measured, tiny
     # model), and loading on one thread but stepping on another left two OpenMP teams, which ran
@@ -46,7 +44,7 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
     failed: list[BaseException] = []
     parent = ParentWatch()
     ctx = zmq.Context()
-    worker = threading.Thread(target=_serve, args=(Scheduler, args, replica, ipc_folder, ctx, ready, failed),
+    worker = threading.Thread(target=_serve, args=(args, replica, ipc_folder, ctx, ready, failed),
                               name="radixlang-scheduler", daemon=True)
     worker.start()
     worker.join()
@@ -57,10 +55,11 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
         raise SystemExit(1)
 
 
-def _serve(scheduler_cls: Any, args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
+def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
            ready: Connection, failed: list[BaseException]) -> None:
+    from radixlang.runtime.scheduler import Scheduler  # the heavy import: torch and the model code
     try:
-        scheduler = scheduler_cls(args)
+        scheduler = Scheduler(args)
     except BaseException as e:
         logger.exception("the scheduler failed to start")
         ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(),

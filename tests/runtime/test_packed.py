@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from tiny_model import tied_toy_model
 
 from radixlang.runtime.models.packed import PackedLinear, pack_model_, packing_available
 
@@ -32,15 +33,8 @@ def test_packed_linear_refuses_other_dtypes():
 
 
 def test_pack_model_replaces_linears_and_ties_logits():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = nn.Embedding(50, 16)
-            self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-            self.lm_head = None
-
     torch.manual_seed(0)
-    m = Tiny()
+    m = tied_toy_model()
     x = torch.randn(4, 16)
     with torch.inference_mode():
         ref_hidden = m.block(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from tiny_model import tied_toy_model
 
 from radixlang.runtime.config import ServerArgs
 from radixlang.runtime.models.quant import Int8WeightOnlyLinear, quantize_model_
@@ -31,14 +32,7 @@ def test_int8_linear_matches_fp32(bias):
 
 
 def test_quantize_model_replaces_every_linear_and_ties_logits():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = nn.Embedding(50, 16)
-            self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-            self.lm_head = None
-
-    m = quantize_model_(Tiny(), "int8", "cpu")
+    m = quantize_model_(tied_toy_model(), "int8", "cpu")
     assert isinstance(m.block[0], Int8WeightOnlyLinear) and isinstance(m.block[2], Int8WeightOnlyLinear)
     assert isinstance(m.lm_head, Int8WeightOnlyLinear) and m.lm_head.out_features == 50
     assert not any(isinstance(x, nn.Linear) for x in m.modules())

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from radixlang.kernels.attention.base import AttentionBackend, AttentionLayerLike, ForwardBatchLike
 
 MIN_SHARED = 16  # a shared run shorter than this is not worth its own group
+MAX_GROUPED_EXTEND = 64  # longer extends run one flash SDPA each (padding a group to them would cost more)
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp (what merging two
 # partial attentions needs); private, so looked up once and optional
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-MAX_GROUPED_EXTEND = 64  # longer extends run one flash SDPA each (padding a group to them would cost more)
 
 
 @dataclass

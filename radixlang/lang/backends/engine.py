@@ -15,7 +15,6 @@ from radixlang.lang.chat_template import ChatTemplate, from_jinja, match_chat_te
 from radixlang.lang.choices import ChoicesDecision, ChoicesSamplingMethod, decide
 
 
-
 class EngineBackend(Backend):
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # the batch size oneDNN is told to expect when it picks a blocking; measured: a hint of 32 is as fast
 # as a hint of 1 at one row and up to 2x faster from 2 rows on (float32)
 PACK_ROWS_HINT = 32
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN compiles and caches kernels per row count: ~0.25 MB each here, ~490 MB once 500 distinct
 # row counts had gone through four layer shapes (measured), and a server's memory grew with every
 # new prompt length. So a matmul runs in slices of at most CHUNK_ROWS rows, and a slice of more than
@@ -46,7 +47,6 @@ def bucket_rows(m: int) -> int:
 def row_counts() -> list[int]:
     """Every row count a packed matmul runs at."""
     return sorted({bucket_rows(m) for m in range(1, CHUNK_ROWS + 1)})
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available() -> bool:
