@@ -53,7 +53,11 @@ class ServerArgs:
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
     # kernels
-    attention_backend: str = _f("auto", "attention kernels", ("auto", "torch", "triton", "flashinfer"))
+    attention_backend: str = _f("auto", "attention kernels (auto: flashinfer or triton on CUDA; on the CPU, cpu "
+                                        "when radixlang's CPU kernels build, else torch)",
+                                ("auto", "torch", "cpu", "triton", "flashinfer"))
+    disable_cpu_kernels: bool = _f(False, "use PyTorch ops instead of radixlang's compiled CPU kernels (fused "
+                                          "norms, rotary, SwiGLU; paged decode attention)")
     disable_weight_packing: bool = _f(False, "keep plain float weights on the CPU instead of packing the linears "
                                              "into oneDNN's blocked layout (packed is ~1.5-2x faster)")
     disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA")
@@ -124,7 +128,7 @@ class ServerArgs:
         if self.dtype == "auto":
             changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
         if self.attention_backend == "auto":
-            changes["attention_backend"] = _pick_attention_backend(device)
+            changes["attention_backend"] = _pick_attention_backend(device, self.disable_cpu_kernels)
         if self.num_threads is None and device == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             # every process of the node shares its cores: each dp replica's tensor-parallel ranks on this node
@@ -162,8 +166,12 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
-def _pick_attention_backend(device: str) -> str:
+def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False) -> str:
     if device != "cuda":
+        if device == "cpu" and not disable_cpu_kernels:
+            from radixlang.kernels import cpu as cpu_ops
+            if cpu_ops.available():
+                return "cpu"
         return "torch"
     try:
         import flashinfer  # noqa: F401

@@ -71,6 +71,8 @@ class ModelRunner:
         elif self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model)
             logger.info("packed %d linear layers into oneDNN's layout", packed)
+        if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
+            logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 4096) or 4096)

@@ -21,7 +21,7 @@ def test_create_torch_backend_accepts_extra_kwargs():
 
 
 def test_create_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match="torch, triton, flashinfer.*'fa3'"):
+    with pytest.raises(ValueError, match="torch, cpu, triton, flashinfer.*'fa3'"):
         create_attention_backend("fa3", num_heads=4, num_kv_heads=2, head_dim=8, device="cpu", dtype=torch.float32)
 
 

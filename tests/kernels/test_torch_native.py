@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.attention.base import ForwardMode
+from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
 from radixlang.kernels.attention import torch_native
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.forward_batch import ForwardBatch
@@ -51,12 +53,16 @@ SHARED_CASES = {
 }
 
 
-@pytest.mark.parametrize("flash", [True, False], ids=["flash_lse", "matmul"])
+@pytest.mark.parametrize("backend_name,flash", [("torch", True), ("torch", False), ("cpu", True)],
+                         ids=["flash_lse", "matmul", "cpu_kernels"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (6, 2)])
 @pytest.mark.parametrize("case", list(CASES) + list(SHARED_CASES))
-def test_matches_reference(heads, kv_heads, case, flash, monkeypatch):
+def test_matches_reference(heads, kv_heads, case, backend_name, flash, monkeypatch):
     # multi-token queries over a shared run merge two flash attentions by log-sum-exp; without that
-    # kernel (or off the CPU) they take the single-softmax matmul path: both must be exact
+    # kernel (or off the CPU) they take the single-softmax matmul path: both must be exact. The cpu
+    # backend is the torch backend with decode steps on the compiled kernel (paged, no groups)
+    if backend_name == "cpu" and not cpu_ops.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}")
     if not flash:
         monkeypatch.setattr(torch_native, "_FLASH_LSE", None)
     torch.manual_seed(0)
@@ -97,7 +103,7 @@ def test_matches_reference(heads, kv_heads, case, flash, monkeypatch):
     new_k = torch.cat([k[p:] for k, p in zip(full_k, prefix_lens)])
     new_v = torch.cat([v[p:] for v, p in zip(full_v, prefix_lens)])
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    backend = TorchNativeAttnBackend(heads, kv_heads, d)
+    backend = (TorchNativeAttnBackend if backend_name == "torch" else CpuAttnBackend)(heads, kv_heads, d)
     fb = ForwardBatch(forward_mode=mode, batch_size=n, input_ids=torch.zeros(len(q), dtype=torch.int64),
                       positions=torch.zeros(len(q), dtype=torch.int64), req_pool_indices=torch.arange(n),
                       seq_lens=torch.tensor(seq), seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix_lens,
@@ -111,7 +117,8 @@ def test_matches_reference(heads, kv_heads, case, flash, monkeypatch):
         if not seen & set(members):  # a run nested in an earlier one is part of that group
             expect.append(([m for m in members if not (mode.is_extend() and extend_lens[m] > 64)], length))
         seen |= set(members)
-    assert [r for r in runs if r[1]] == sorted(expect)
+    if backend_name == "torch" or mode.is_extend():
+        assert [r for r in runs if r[1]] == sorted(expect)
     out = backend.forward(q, new_k, new_v, layer, fb)
     start = 0
     for i, e in enumerate(extend_lens):

@@ -5,7 +5,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.attention.base import ForwardMode
+from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.forward_batch import ForwardBatch
 from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -14,16 +16,23 @@ from radixlang.runtime.models.loader import load_model
 from tiny_model import make_tiny_model_dir
 
 
-def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = False) -> torch.Tensor:
+def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = False,
+              cpu_kernels: bool = False) -> torch.Tensor:
     """Logits of every position through the paged pool: one EXTEND over the prompt, or with
-    ``decode_last`` an EXTEND over ids[:-1] then a DECODE of ids[-1]; [n, vocab]."""
+    ``decode_last`` an EXTEND over ids[:-1] then a DECODE of ids[-1]; [n, vocab]. ``cpu_kernels``:
+    the model's small ops and the decode attention on radixlang's compiled CPU kernels."""
     n = len(ids)
     pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
                          head_dim=model.head_dim, dtype=torch.float32, device="cpu")
     reqs = ReqToTokenPool(2, n + 4, "cpu")
     loc = pool.alloc(n)
     reqs.req_to_token[0, :n] = loc.to(torch.int32)
-    backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
+    if cpu_kernels:
+        if not model.use_cpu_kernels():
+            pytest.skip(f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}")
+        backend = CpuAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
+    else:
+        backend = TorchNativeAttnBackend(model.num_heads, model.num_kv_heads, model.head_dim)
     cut = n - 1 if decode_last else n
     steps = [(ForwardMode.EXTEND, 0, cut)] + ([(ForwardMode.DECODE, cut, n)] if decode_last else [])
     out = []
@@ -67,8 +76,9 @@ def _ours_to_hf_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch_ops", "cpu_kernels"])
 @pytest.mark.parametrize("model_type,tie", [("llama", True), ("llama", False), ("qwen2", False)])
-def test_tiny_random_matches_transformers(tmp_path, model_type, tie):
+def test_tiny_random_matches_transformers(tmp_path, model_type, tie, cpu_kernels):
     folder = make_tiny_model_dir(str(tmp_path), model_type=model_type, tie=tie, kv_heads=2, heads=4)
     loaded = load_model(folder, load_format="dummy", seed=3)
     state = _ours_to_hf_state(loaded.model)
@@ -77,15 +87,16 @@ def test_tiny_random_matches_transformers(tmp_path, model_type, tie):
             state[k] = torch.randn_like(state[k]) * 0.1
         loaded.model.load_weights(state.items())
     ids = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3]
-    ours = _run_ours(loaded.model, ids)
+    ours = _run_ours(loaded.model, ids, decode_last=cpu_kernels, cpu_kernels=cpu_kernels)
     ref = _hf_logits(folder, ids, state_dict=state)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (ours - ref).abs().max()
 
 
-def test_smollm_gguf_matches_transformers(smollm_path):
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch_ops", "cpu_kernels"])
+def test_smollm_gguf_matches_transformers(smollm_path, cpu_kernels):
     loaded = load_model(None)
     ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. In 1905, Einstein")
-    ours = _run_ours(loaded.model, ids)
+    ours = _run_ours(loaded.model, ids, decode_last=cpu_kernels, cpu_kernels=cpu_kernels)
     ref = _hf_logits(smollm_path, ids)
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-4, rel

@@ -1,4 +1,5 @@
-"""Attention backends: "torch" (reference, CPU and CUDA), "triton", "flashinfer" (CUDA).
+"""Attention backends: "torch" (reference, CPU and CUDA), "cpu" (torch + compiled decode kernels),
+"triton", "flashinfer" (CUDA).
 
 ``create_attention_backend`` imports the chosen backend lazily, so torch-only
 installs never import triton or flashinfer.
@@ -9,7 +10,7 @@ import torch
 
 from radixlang.kernels.attention.base import AttentionBackend
 
-BACKEND_NAMES = ("torch", "triton", "flashinfer")
+BACKEND_NAMES = ("torch", "cpu", "triton", "flashinfer")
 
 
 def create_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -18,6 +19,9 @@ def create_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, he
     if name == "torch":
         from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
         cls = TorchNativeAttnBackend
+    elif name == "cpu":
+        from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
+        cls = CpuAttnBackend
     elif name == "triton":
         from radixlang.kernels.attention.triton_backend import TritonAttnBackend
         cls = TritonAttnBackend

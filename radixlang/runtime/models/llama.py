@@ -9,12 +9,13 @@ without one the layers are the plain torch modules.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
@@ -25,9 +26,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # the compiled CPU kernels (float32 on the CPU; see kernels/cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); residual None means x starts the stream."""
+        if residual is None:
+            return self(x), x
+        if self.fused:  # one pass, in place: x is the sublayer's fresh output and residual is ours
+            x = x.contiguous()
+            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
@@ -83,16 +98,30 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        # x [num_tokens, hidden]; cos/sin [num_tokens, 1, head_dim] (sin signed, see _apply_rope)
+    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
+        # x [num_tokens, hidden]
         qkv = self.qkv_proj(x)
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
-        qk = _apply_rope(qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if rope.cos is None:  # the compiled CPU kernel rotates qkv in place
+            cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check_range=False)
+        else:
+            qk = _apply_rope(qk, rope.cos, rope.sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, self.q_size))
+
+
+class Rotary(NamedTuple):
+    """One forward's rotary inputs: the tables and positions, and for the torch path each token's rows
+    (cos, signed sin [num_tokens, 1, head_dim]); cos None means the compiled kernel rotates in place."""
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -111,8 +140,11 @@ class MLP(nn.Module):
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
+        self.fused = False  # the compiled CPU kernel for silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous()))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -125,9 +157,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
+                forward_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream rides beside the layer's output: x is the previous sublayer's output (the
+        embeddings when residual is None), residual the sum before it. Returns (mlp output, residual)."""
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, forward_batch), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         sin = emb.sin()
         sin[:, :self.head_dim // 2] *= -1  # signed for _apply_rope's roll
         self.register_buffer("signed_sin_cache", sin.to(dtype), persistent=False)
+        self.cpu_kernels = False  # see use_cpu_kernels
         self.to(dtype=dtype, device=device)
         self.requires_grad_(False)
 
@@ -164,10 +201,29 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.cos_cache[positions][:, None, :], self.signed_sin_cache[positions][:, None, :]
+        if self.cpu_kernels:
+            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_cache.shape[0]):
+                raise ValueError(f"positions must lie in [0, {self.cos_cache.shape[0]})")
+            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, None, None)
+        else:
+            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, self.cos_cache[positions][:, None, :],
+                          self.signed_sin_cache[positions][:, None, :])
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, forward_batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, forward_batch)
+        return self.norm.add_norm(x, residual)[0]
+
+    def use_cpu_kernels(self) -> bool:
+        """Run the layers' small ops (norms with the residual add, rotary, SiLU-and-multiply) through
+        radixlang's compiled CPU kernels. Only float32 weights on the CPU qualify; returns whether the
+        kernels are now in use (False: not applicable, or no compiler here)."""
+        if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
+            return False
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP)):
+                m.fused = True
+        self.cpu_kernels = True
+        return True
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""radixlang's compiled CPU kernels (csrc/cpu_ops.c), called through ctypes.
+
+What they replace, and why: at a decode step a Llama layer runs a dozen small PyTorch ops besides
+its four matmuls (two RMSNorms of several ATen ops each, the residual adds, rotary embedding, SiLU
+and the multiply, the KV write), and on a CPU each op costs microseconds of dispatch plus a pass
+over memory. Fused here, one loop does each step. Paged decode attention reads every request's
+keys and values straight from the KV pool through ``req_to_token``, where the torch path first
+gathers them into a padded copy and runs SDPA over it with a mask.
+
+The library is compiled on first use (build.py) and links the ``libgomp.so.1`` PyTorch already
+loaded, so its parallel loops share PyTorch's OpenMP threads. Every function takes float32 CPU
+tensors; the wrappers check what the C code relies on (dtype, strides, sizes) and raise ValueError
+otherwise. Where no compiler is available, ``available()`` is False and the model and the attention
+backend keep their torch ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from radixlang.kernels.cpu.build import BuildError, library_path
+
+logger = logging.getLogger(__name__)
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "rl_rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _F, _INT]),
+    "rl_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F, _INT]),
+    "rl_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
+    "rl_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
+    "rl_store_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
+    "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _error
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = ctypes.CDLL(str(library_path()))
+                for name, (restype, argtypes) in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+                _lib = lib
+            except (BuildError, OSError, AttributeError) as e:
+                _error = str(e)
+                logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
+        if _lib is None:
+            raise RuntimeError(f"radixlang CPU kernels are unavailable: {_error}")
+        return _lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them now if needed)."""
+    try:
+        _load()
+        return True
+    except RuntimeError:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _error
+
+
+def _f32(name: str, t: torch.Tensor, dims: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-D float32 CPU tensor, got {t.dtype} {tuple(t.shape)} "
+                         f"on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, d] (rows may be strided) -> x / rms(x) * weight, a new contiguous [n, d]."""
+    _f32("x", x, 2)
+    _f32("weight", weight, 1)
+    n, d = x.shape
+    if weight.shape[0] != d:
+        raise ValueError(f"weight has {weight.shape[0]} features, x has {d}")
+    out = torch.empty(n, d)
+    _load().rl_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, d, eps,
+                        torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual) * weight. Both contiguous [n, d]."""
+    _f32("x", x, 2)
+    _f32("residual", residual, 2)
+    _f32("weight", weight, 1)
+    _contiguous("x", x)
+    _contiguous("residual", residual)
+    if x.shape != residual.shape or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"shapes differ: x {tuple(x.shape)}, residual {tuple(residual.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    _load().rl_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                            torch.get_num_threads())
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, *,
+          check_range: bool = True) -> None:
+    """Rotate x [n, heads, d] in place (heads packed d apart, rows strided), HF's rotate_half layout.
+
+    cos and signed_sin are the [max_pos, d] tables (sin with its first half negated); positions [n] int64.
+    ``check_range=False`` skips checking positions against the tables (a caller that checked them once
+    for all layers).
+    """
+    _f32("x", x, 3)
+    _f32("cos", cos, 2)
+    _f32("signed_sin", signed_sin, 2)
+    _contiguous("cos", cos)
+    _contiguous("signed_sin", signed_sin)
+    n, heads, d = x.shape
+    if x.stride(1) != d or d % 2 or cos.shape != signed_sin.shape or cos.shape[1] != d:
+        raise ValueError(f"x {tuple(x.shape)} strides {x.stride()} does not fit tables {tuple(cos.shape)}")
+    if positions.dtype != torch.int64 or positions.shape != (n,) or not positions.is_contiguous():
+        raise ValueError(f"positions must be a contiguous int64 [{n}], got {positions.dtype} {tuple(positions.shape)}")
+    if check_range and n and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cos.shape[0]}), got {int(positions.min())}.."
+                         f"{int(positions.max())}")
+    _load().rl_rope(x.data_ptr(), x.stride(0), n, heads, d, positions.data_ptr(), cos.data_ptr(),
+                    signed_sin.data_ptr(), torch.get_num_threads())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2 * inter] (gate then up) -> silu(gate) * up, a new [n, inter]."""
+    _f32("gate_up", gate_up, 2)
+    _contiguous("gate_up", gate_up)
+    n, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even width, got {width}")
+    out = torch.empty(n, width // 2)
+    _load().rl_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width // 2, torch.get_num_threads())
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, *,
+             check_range: bool = True) -> None:
+    """k_buf[loc] = k; v_buf[loc] = v. k, v [n, heads, d] (rows may be strided, e.g. views into qkv);
+    buffers [slots, heads, d] contiguous; loc [n] int64 slots inside the buffers."""
+    _f32("k", k, 3)
+    _f32("v", v, 3)
+    _f32("k_buf", k_buf, 3)
+    _f32("v_buf", v_buf, 3)
+    _contiguous("k_buf", k_buf)
+    _contiguous("v_buf", v_buf)
+    n, heads, d = k.shape
+    if (v.shape != k.shape or k.stride(1) != d or v.stride(1) != d or k_buf.shape[1:] != (heads, d)
+            or v_buf.shape != k_buf.shape):
+        raise ValueError(f"k {tuple(k.shape)} {k.stride()}, v {tuple(v.shape)} {v.stride()} do not fit the "
+                         f"buffers {tuple(k_buf.shape)}")
+    if loc.dtype != torch.int64 or loc.shape != (n,) or not loc.is_contiguous():
+        raise ValueError(f"loc must be a contiguous int64 [{n}], got {loc.dtype} {tuple(loc.shape)}")
+    if check_range and n and (int(loc.min()) < 0 or int(loc.max()) >= k_buf.shape[0]):
+        raise ValueError(f"loc must lie in [0, {k_buf.shape[0]})")
+    _load().rl_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                        loc.data_ptr(), n, heads * d)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                     check_range: bool = True) -> torch.Tensor:
+    """One query per request over its first seq_lens[b] KV slots -> [bs, hq, d].
+
+    q [bs, hq, d] (rows may be strided); k_buf, v_buf [slots, hkv, d]; req_to_token [rows, cols] int32;
+    req_pool_indices, seq_lens [bs] int64. The slots themselves are trusted (the pool wrote them).
+    """
+    _f32("q", q, 3)
+    _f32("k_buf", k_buf, 3)
+    _f32("v_buf", v_buf, 3)
+    _contiguous("k_buf", k_buf)
+    _contiguous("v_buf", v_buf)
+    bs, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    if q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)}")
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(f"req_to_token must be int32 [rows, cols] with unit column stride, got "
+                         f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int64 or t.shape != (bs,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 [{bs}], got {t.dtype} {tuple(t.shape)}")
+    if check_range and bs and (int(seq_lens.max()) > req_to_token.shape[1] or int(req_pool_indices.max()) >= req_to_token.shape[0]
+               or int(req_pool_indices.min()) < 0 or int(seq_lens.min()) < 0):
+        raise ValueError("req_pool_indices or seq_lens fall outside req_to_token")
+    out = torch.empty(bs, hq, d)
+    rc = _load().rl_decode_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                                     req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
+                                     seq_lens.data_ptr(), out.data_ptr(), bs, hq, hkv, d, scale,
+                                     torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("decode attention could not allocate its score buffer")
+    return out

@@ -1,0 +1,239 @@
+/* radixlang's CPU kernels: the small ops of a Llama layer fused, and paged decode attention.
+ *
+ * Built at first use by radixlang/kernels/cpu/build.py (the C compiler of the machine, -O3
+ * -march=native -fopenmp) and called through ctypes with raw pointers; the Python wrappers in
+ * radixlang/kernels/cpu/__init__.py check shapes, dtypes and strides. Everything here is float32.
+ *
+ * Threads: OpenMP, linked against the libgomp.so.1 that PyTorch has already loaded, so these
+ * loops run on the same thread team as PyTorch's own ops (a second team would make both slower).
+ * The caller passes the thread count: PyTorch's setting is per calling thread.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Small ops go parallel only above this many floats: below it the fork/join costs more than the loop. */
+#define PAR_MIN 32768
+#define PREFETCH 4
+
+/* exp(x) for the softmax and SiLU: 2^k * exp(r) with r = x - k ln2 (ln2 split in two for precision)
+ * and a degree-6 polynomial for exp(r) on |r| <= ln2/2 (Cephes' coefficients); relative error ~2e-7.
+ * Inputs are clamped to [-87, 88], so exp of a very negative number is ~1e-38 rather than 0.
+ * Written on GCC/Clang vector types, 16 floats at a time, because the compiler does not vectorize
+ * the float-to-bits step of a scalar version; rl_exp_n applies it to an array. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f rl_exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f, hi = (v16f){0} + 88.0f;
+    v16i below = x < lo, above = x > hi;
+    x = (v16f)((below & (v16i)lo) | (above & (v16i)hi) | (~(below | above) & (v16i)x));
+    v16f y = x * 1.44269504088896341f + 0.5f;
+    v16i k = __builtin_convertvector(y, v16i);  /* truncates: step down where y < 0 to get floor */
+    k += (v16i)(__builtin_convertvector(k, v16f) > y);
+    v16f kf = __builtin_convertvector(k, v16f);
+    v16f r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16f e = p * r * r + r + 1.0f;
+    return e * (v16f)((k + 127) << 23);
+}
+
+static inline float rl_exp(float x) {
+    v16f v = (v16f){0} + x;
+    return rl_exp16(v)[0];
+}
+
+/* x[i] = exp(x[i] - shift) for i < n; returns the sum of the results */
+static inline float rl_exp_n(float *x, int64_t n, float shift) {
+    v16f acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16f v;
+        memcpy(&v, x + i, sizeof v);
+        v = rl_exp16(v - shift);
+        memcpy(x + i, &v, sizeof v);
+        acc += v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    for (; i < n; i++) {
+        x[i] = rl_exp(x[i] - shift);
+        sum += x[i];
+    }
+    return sum;
+}
+
+static inline float rl_dot(const float *a, const float *b, int64_t d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < d; j++) acc += a[j] * b[j];
+    return acc;
+}
+
+static inline void norm_row(const float *x, const float *w, float *out, int64_t d, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; j++) ss += x[j] * x[j];
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < d; j++) out[j] = x[j] * inv * w[j];
+}
+
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w. x rows are x_stride floats apart; out is contiguous. */
+void rl_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t n, int64_t d, float eps,
+                 int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * d >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) norm_row(x + i * x_stride, w, out + i * d, d, eps);
+}
+
+/* The residual stream's step: residual += x, then x = rms_norm(residual) * w. Both contiguous [n, d]. */
+void rl_add_rms_norm(float *x, float *residual, const float *w, int64_t n, int64_t d, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * d >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float *xi = x + i * d, *ri = residual + i * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; j++) ri[j] += xi[j];
+        norm_row(ri, w, xi, d, eps);
+    }
+}
+
+/* Rotary embedding in place, Hugging Face's rotate_half layout: for each of `heads` heads of d floats
+ * (head h of row i at x + i * row_stride + h * d), x = x * cos[pos] + roll(x, d/2) * ssin[pos], where
+ * ssin is sin with its first half negated: the first half becomes x1 cos - x2 sin, the second x2 cos + x1 sin. */
+void rl_rope(float *x, int64_t row_stride, int64_t n, int64_t heads, int64_t d, const int64_t *pos,
+             const float *cos_t, const float *ssin_t, int nthreads) {
+    int64_t half = d / 2;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * heads * d >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const float *c = cos_t + pos[i] * d, *s = ssin_t + pos[i] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xh = x + i * row_stride + h * d;
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                float x1 = xh[j], x2 = xh[j + half];
+                xh[j] = x1 * c[j] + x2 * s[j];
+                xh[j + half] = x2 * c[j + half] + x1 * s[j + half];
+            }
+        }
+    }
+}
+
+/* SwiGLU's activation: out[i, j] = silu(gu[i, j]) * gu[i, inter + j]; gu [n, 2 * inter], out [n, inter]. */
+void rl_silu_mul(const float *gu, float *out, int64_t n, int64_t inter, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * inter >= PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *o = out + i * inter;
+        int64_t j = 0;
+        for (; j + 16 <= inter; j += 16) {  /* silu(g) = g / (1 + exp(-g)) */
+            v16f gv, uv;
+            memcpy(&gv, g + j, sizeof gv);
+            memcpy(&uv, u + j, sizeof uv);
+            v16f ov = gv / (1.0f + rl_exp16(-gv)) * uv;
+            memcpy(o + j, &ov, sizeof ov);
+        }
+        for (; j < inter; j++) o[j] = g[j] / (1.0f + rl_exp(-g[j])) * u[j];
+    }
+}
+
+/* Write n tokens' k and v rows (width floats each; rows k_stride and v_stride floats apart, e.g. views
+ * into the fused qkv output) into the KV pool at slots loc. Pool rows are width floats. */
+void rl_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_buf, float *v_buf,
+                 const int64_t *loc, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(k_buf + loc[i] * width, k + i * k_stride, sizeof(float) * width);
+        memcpy(v_buf + loc[i] * width, v + i * v_stride, sizeof(float) * width);
+    }
+}
+
+/* Decode attention over the paged KV pool: one query per request.
+ *
+ * q: [bs, hq, d] with rows q_stride floats apart. k_buf, v_buf: [slots, hkv, d] contiguous.
+ * Request b attends to the first seq_lens[b] slots of row req_idx[b] of req_to_token (int32,
+ * r2t_stride per row). out: [bs, hq, d] contiguous. Grouped-query attention: the rep = hq / hkv query
+ * heads of a kv head are scored together, so each key and value row is read once per request and kv
+ * head. Work items are (request, kv head) pairs; an item keeps its scores whole (an exact softmax) in
+ * a per-thread buffer of rep * max(seq_lens) floats. */
+static inline __attribute__((always_inline)) void decode_item(
+    const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots, int64_t len,
+    int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores, const int64_t d) {
+    /* slots need not be adjacent (a pool that has served many requests hands out scattered ones):
+     * fetch the row PREFETCH tokens ahead */
+    for (int64_t t = 0; t < len; t++) {
+        if (t + PREFETCH < len) __builtin_prefetch(k_buf + (int64_t)slots[t + PREFETCH] * kv_row + h * d);
+        const float *kt = k_buf + (int64_t)slots[t] * kv_row + h * d;
+        for (int64_t r = 0; r < rep; r++) scores[r * len + t] = rl_dot(q + r * d, kt, d) * scale;
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *sr = scores + r * len, mx = sr[0], sum;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
+        sum = rl_exp_n(sr, len, mx);
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sr[t] *= inv;
+    }
+    memset(o, 0, sizeof(float) * rep * d);
+    for (int64_t t = 0; t < len; t++) {
+        if (t + PREFETCH < len) __builtin_prefetch(v_buf + (int64_t)slots[t + PREFETCH] * kv_row + h * d);
+        const float *vt = v_buf + (int64_t)slots[t] * kv_row + h * d;
+        for (int64_t r = 0; r < rep; r++) {
+            const float p = scores[r * len + t];
+            float *orow = o + r * d;
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) orow[j] += p * vt[j];
+        }
+    }
+}
+
+/* the usual head sizes get their own copies, with d a constant the compiler unrolls */
+static void decode_item_64(const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots,
+                           int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores) {
+    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, 64);
+}
+
+static void decode_item_128(const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots,
+                            int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores) {
+    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, 128);
+}
+
+int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
+                        const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
+                        const int64_t *seq_lens, float *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
+                        float scale, int nthreads) {
+    const int64_t rep = hq / hkv, items = bs * hkv, kv_row = hkv * d;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
+    {
+        float *scores = malloc(sizeof(float) * rep * max_len);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t b = it / hkv, h = it % hkv, len = seq_lens[b];
+            const int32_t *slots = req_to_token + req_idx[b] * r2t_stride;
+            const float *qh = q + b * q_stride + h * rep * d;
+            float *oh = out + (b * hq + h * rep) * d;
+            if (scores == NULL || len <= 0) {
+                memset(oh, 0, sizeof(float) * rep * d);
+            } else if (d == 64) {
+                decode_item_64(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores);
+            } else if (d == 128) {
+                decode_item_128(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores);
+            } else {
+                decode_item(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, d);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

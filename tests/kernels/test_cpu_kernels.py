@@ -1,0 +1,168 @@
+"""radixlang's compiled CPU kernels (kernels/cpu) against the PyTorch ops they replace."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlang.kernels import cpu
+from radixlang.kernels.cpu import build
+from radixlang.runtime.models.llama import _apply_rope
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("n,d", [(1, 576), (7, 64), (300, 576), (3, 33)])
+def test_rms_norm_matches_torch(n, d):
+    torch.manual_seed(0)
+    x, w = torch.randn(n, 2 * d)[:, :d], torch.randn(d)  # strided rows
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), F.rms_norm(x, (d,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,d", [(1, 576), (5, 64), (200, 576)])
+def test_add_rms_norm_updates_residual_and_normalizes(n, d):
+    torch.manual_seed(1)
+    x, residual, w = torch.randn(n, d), torch.randn(n, d), torch.randn(d)
+    total = x + residual
+    cpu.add_rms_norm_(x, residual, w, 1e-6)
+    torch.testing.assert_close(residual, total, rtol=0, atol=0)
+    torch.testing.assert_close(x, F.rms_norm(total, (d,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,q_heads,kv_heads,d", [(1, 9, 3, 64), (6, 4, 2, 16), (130, 8, 8, 128)])
+def test_rope_rotates_q_and_k_inside_qkv(n, q_heads, kv_heads, d):
+    torch.manual_seed(2)
+    heads = q_heads + kv_heads
+    qkv = torch.randn(n, (heads + kv_heads) * d)  # q, k, v side by side, as the fused projection leaves them
+    v_before = qkv[:, heads * d:].clone()
+    angles = torch.randn(512, d // 2).repeat(1, 2)
+    cos, signed_sin = angles.cos(), angles.sin()
+    signed_sin[:, :d // 2] *= -1
+    pos = torch.randint(0, 512, (n,))
+    qk = qkv[:, :heads * d].view(n, heads, d)
+    expect = _apply_rope(qk, cos[pos][:, None], signed_sin[pos][:, None])
+    cpu.rope_(qk, pos, cos, signed_sin)
+    torch.testing.assert_close(qk, expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads * d:], v_before)  # v untouched
+
+
+def test_rope_refuses_positions_outside_the_table():
+    cos = torch.ones(8, 4)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 8\)"):
+        cpu.rope_(torch.zeros(2, 1, 4), torch.tensor([3, 8]), cos, cos)
+
+
+@pytest.mark.parametrize("n,inter", [(1, 1536), (4, 40), (300, 1536)])
+def test_silu_mul_matches_torch(n, inter):
+    torch.manual_seed(3)
+    gu = torch.randn(n, 2 * inter) * 6
+    gu[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])  # past the exp clamp on both sides, and zero
+    expect = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(cpu.silu_mul(gu), expect, rtol=2e-6, atol=1e-6)
+
+
+def test_store_kv_writes_strided_rows_at_their_slots():
+    torch.manual_seed(4)
+    n, heads, d = 5, 3, 8
+    qkv = torch.randn(n, (4 + 2 * heads) * d)
+    k = qkv[:, 4 * d:(4 + heads) * d].view(n, heads, d)
+    v = qkv[:, (4 + heads) * d:].view(n, heads, d)
+    k_buf, v_buf = torch.zeros(20, heads, d), torch.zeros(20, heads, d)
+    loc = torch.tensor([7, 2, 19, 11, 3])
+    cpu.store_kv(k, v, k_buf, v_buf, loc)
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[loc] = False
+    assert not k_buf[untouched].any() and not v_buf[untouched].any()
+    with pytest.raises(ValueError, match=r"loc must lie in \[0, 20\)"):
+        cpu.store_kv(k, v, k_buf, v_buf, torch.tensor([7, 2, 20, 11, 3]))
+
+
+def _decode_reference(q, k_buf, v_buf, r2t, req_idx, seq_lens, scale):
+    outs = []
+    for b in range(q.shape[0]):
+        loc = r2t[req_idx[b], :seq_lens[b]].long()
+        rep = q.shape[1] // k_buf.shape[1]
+        k = k_buf[loc].repeat_interleave(rep, 1).transpose(0, 1)  # [hq, L, d]
+        v = v_buf[loc].repeat_interleave(rep, 1).transpose(0, 1)
+        p = (torch.einsum("hd,hld->hl", q[b].double(), k.double()) * scale).softmax(-1)
+        outs.append(torch.einsum("hl,hld->hd", p, v.double()).float())
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 2, 16), (6, 1, 80)])
+def test_decode_attention_matches_reference(hq, hkv, d):
+    torch.manual_seed(5)
+    slots = 3000
+    k_buf, v_buf = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+    lens = [1, 2, 17, 300, 64, 1000]
+    r2t = torch.zeros(len(lens) + 3, 1024, dtype=torch.int32)
+    req_idx = torch.tensor([5, 1, 8, 0, 2, 3])  # rows of req_to_token in any order
+    free = torch.randperm(slots - 1) + 1  # scattered slots, as a long-running pool hands them out
+    start = 0
+    for row, n in zip(req_idx.tolist(), lens):
+        r2t[row, :n] = free[start:start + n].to(torch.int32)
+        start += n
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d) * 3
+    q = qkv[:, :hq * d].view(len(lens), hq, d)  # strided rows, as the model passes q
+    seq_lens = torch.tensor(lens)
+    out = cpu.decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, d ** -0.5)
+    expect = _decode_reference(q, k_buf, v_buf, r2t, req_idx, seq_lens, d ** -0.5)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=2e-6)
+
+
+def test_decode_attention_checks_its_metadata():
+    k_buf = torch.zeros(10, 2, 8)
+    r2t = torch.zeros(4, 16, dtype=torch.int32)
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="fall outside req_to_token"):
+        cpu.decode_attention(q, k_buf, k_buf, r2t, torch.tensor([0, 4]), torch.tensor([1, 1]), 1.0)
+    with pytest.raises(ValueError, match="fall outside req_to_token"):
+        cpu.decode_attention(q, k_buf, k_buf, r2t, torch.tensor([0, 1]), torch.tensor([1, 17]), 1.0)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous int64"):
+        cpu.decode_attention(q, k_buf, k_buf, r2t, torch.tensor([0, 1]), torch.tensor([1, 1], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="q .* does not fit"):
+        cpu.decode_attention(torch.zeros(2, 3, 8), k_buf, k_buf, r2t, torch.tensor([0, 1]), torch.tensor([1, 1]), 1.0)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "stride"])
+def test_wrappers_refuse_what_the_c_code_cannot_read(bad):
+    x = torch.randn(3, 16, dtype=torch.float64) if bad == "dtype" else torch.randn(16, 3).t()
+    with pytest.raises(ValueError, match="float32 CPU tensor" if bad == "dtype" else "unit stride"):
+        cpu.rms_norm(x, torch.ones(16), 1e-6)
+
+
+def test_one_openmp_runtime_in_the_process():
+    # the library must share PyTorch's libgomp (one thread team), not load the system's copy beside it
+    code = ("import torch; from radixlang.kernels import cpu; assert cpu.available(); "
+            "cpu.silu_mul(torch.randn(64, 4096)); "
+            "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    gomps = eval(out.strip().splitlines()[-1])
+    assert len(gomps) == 1, gomps
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path))
+    path = build.library_path()
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    mtime = path.stat().st_mtime_ns
+    assert build.library_path() == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left behind
+
+
+def test_build_error_names_the_compiler_failure(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(build.BuildError, match="compiling bad.c failed"):
+        build.library_path()
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(build.BuildError, match="no C compiler found"):
+        build.library_path()
