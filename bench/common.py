@@ -55,6 +55,16 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 28, reps: int = 5) -> float:
     return 2 * num_bytes / best / 1e9  # read + write
 
 
+def read_bandwidth_gbs(num_bytes: int = 1 << 28, reps: int = 5) -> float:
+    """How fast this machine's threads read memory: a sum over a tensor far larger than the caches
+    (a decode step only reads its weights). Measured here: about the copy bandwidth's bytes per second,
+    not half of it."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    src.sum()
+    best = min(timed(src.sum)[1] for _ in range(reps))
+    return num_bytes / best / 1e9
+
+
 def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads(),

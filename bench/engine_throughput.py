@@ -4,10 +4,10 @@
 
 Prints ratios measured in this run: batch-1 greedy decode tokens/s, 32 mixed-length
 concurrent requests against transformers doing them one by one, prefill tokens/s on
-a 1,000-token prompt, the machine's copy bandwidth, and the batch-1 decode step as a
-multiple of the physical floor (weights bytes / bandwidth). Then the same three runs with
-``quantization="int8"`` (weight-only) and ``dtype="bfloat16"``, both lossy, against the same fp32
-baseline, with how many greedy tokens each keeps equal to fp32's.
+a 1,000-token prompt, the machine's copy and read bandwidths, and the batch-1 decode step as a
+multiple of the physical floor (weights bytes / read bandwidth, a sum over a large tensor). Then
+the same three runs with ``quantization="int8"`` (weight-only) and ``dtype="bfloat16"``, both
+lossy, against the same fp32 baseline, with how many greedy tokens each keeps equal to fp32's.
 
 transformers runs in a child process: a second live OpenMP thread team in one process (the
 Engine's scheduler thread next to a main thread that ran transformers) makes libgomp stop
@@ -22,7 +22,8 @@ import random
 
 import torch
 
-from bench.common import copy_bandwidth_gbs, hf_generate, load_hf, model_weight_bytes, threads, timed, write_result
+from bench.common import (copy_bandwidth_gbs, hf_generate, load_hf, model_weight_bytes, read_bandwidth_gbs, threads,
+                          timed, write_result)
 from radixlang import Engine
 from radixlang.runtime.models.loader import resolve_model_dir
 
@@ -31,7 +32,7 @@ def _transformers_baseline(folder: str, prompt: list[int], new_tokens: int, subs
                            long_prompt: list[int], conn) -> None:
     """Child process: the copy bandwidth and transformers' three measures, sent back on conn."""
     torch.set_num_threads(threads())
-    bw = copy_bandwidth_gbs()
+    bw, read_bw = copy_bandwidth_gbs(), read_bandwidth_gbs()
     hf = load_hf(folder)
     hf_generate(hf, prompt, 4)
     n_hf, t_hf = timed(hf_generate, hf, prompt, new_tokens)
@@ -39,7 +40,7 @@ def _transformers_baseline(folder: str, prompt: list[int], new_tokens: int, subs
     t_hf_seq = sum(timed(hf_generate, hf, p, new_tokens)[1] for p in subset)
     with torch.no_grad():
         _, t_hf_fill = timed(hf, torch.tensor([long_prompt]))
-    conn.send({"bw": bw, "b1": (n_hf - 1) / max(t_hf - t_hf_pre, 1e-9),
+    conn.send({"bw": bw, "read_bw": read_bw, "b1": (n_hf - 1) / max(t_hf - t_hf_pre, 1e-9),
                "seq": len(subset) * new_tokens / t_hf_seq, "fill_s": t_hf_fill})
     conn.close()
 
@@ -82,11 +83,11 @@ def main() -> None:
     child.start()
     hf = recv.recv()
     child.join()
-    hf_b1, hf_seq, t_hf_fill, bw = hf["b1"], hf["seq"], hf["fill_s"], hf["bw"]
+    hf_b1, hf_seq, t_hf_fill, bw, read_bw = hf["b1"], hf["seq"], hf["fill_s"], hf["bw"], hf["read_bw"]
 
     step_s = 1.0 / ours["b1"]
     weight_bytes = ours["weight_bytes"]
-    floor_s = weight_bytes / (bw * 1e9 / 2)  # a step reads every weight once: read bandwidth ~ copy / 2
+    floor_s = weight_bytes / (read_bw * 1e9)  # a step reads every weight once
     rows = {
         "decode_batch1_tok_s": {"radixlang": ours["b1"], "transformers": hf_b1, "ratio": ours["b1"] / hf_b1},
         "batch32_tok_s": {"radixlang": ours["batch"], "transformers_sequential": hf_seq,
@@ -94,6 +95,7 @@ def main() -> None:
         "prefill_1000_tok_s": {"radixlang": 1000 / ours["fill_s"], "transformers": 1000 / t_hf_fill,
                                "ratio": t_hf_fill / ours["fill_s"]},
         "copy_bandwidth_gb_s": bw,
+        "read_bandwidth_gb_s": read_bw,
         "weights_mb": weight_bytes / 1e6,
         "decode_step_ms": step_s * 1e3,
         "decode_step_over_floor": step_s / floor_s,
@@ -117,7 +119,7 @@ def main() -> None:
         r = rows[k]
         base = r.get("transformers", r.get("transformers_sequential"))
         print(f"{k:28s} {r['radixlang']:12.1f} {base:13.1f} {r['ratio']:6.2f}x")
-    print(f"copy bandwidth {bw:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB; batch-1 step "
+    print(f"copy bandwidth {bw:.1f} GB/s (read + write), read bandwidth {read_bw:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB; batch-1 step "
           f"{step_s * 1e3:.1f} ms = {step_s / floor_s:.2f}x the floor ({floor_s * 1e3:.1f} ms)")
     for name in variants:
         same = rows[f"{name}_decode_batch1_tok_s"]["greedy_tokens_equal_to_fp32"]

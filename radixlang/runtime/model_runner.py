@@ -69,7 +69,7 @@ class ModelRunner:
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device)
         elif self.device == "cpu" and not args.disable_weight_packing:
-            packed = pack_model_(self.model)
+            packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")

@@ -166,3 +166,14 @@ def test_build_error_names_the_compiler_failure(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(build.BuildError, match="no C compiler found"):
         build.library_path()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (2, 203, 96), (3, 5, 1537), (1, 49152, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch(m, n, k, bias):
+    torch.manual_seed(6)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="x has 7 features"):
+        cpu.linear(torch.randn(m, 7), w)

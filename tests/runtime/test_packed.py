@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from tiny_model import tied_toy_model
 
+from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models.packed import PackedLinear, pack_model_, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN weight packing")
@@ -27,6 +28,24 @@ def test_packed_linear_matches_linear(bias, dtype):
         assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="no CPU kernels here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_rows_run_on_the_kept_row_major_weight(bias, monkeypatch):
+    torch.manual_seed(1)
+    lin = nn.Linear(96, 203, bias=bias)
+    packed = PackedLinear.from_linear(lin, keep_plain=True)
+    assert packed.plain.data_ptr() == lin.weight.data_ptr()  # the same storage, not a copy
+    calls = []
+    real = cpu_ops.linear
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for lead in ((1,), (2,), (1, 2), (3,), (40,)):
+        x = torch.randn(*lead, 96)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 2, 2]  # at most SMALL_ROWS rows on the C kernel; more on the packed matmul
+    assert PackedLinear.from_linear(nn.Linear(8, 8).to(torch.bfloat16), keep_plain=True).plain is None
+
+
 def test_packed_linear_refuses_other_dtypes():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.float16), None)
@@ -39,15 +58,18 @@ def test_pack_model_replaces_linears_and_ties_logits():
     with torch.inference_mode():
         ref_hidden = m.block(x)
         ref_logits = nn.functional.linear(ref_hidden, m.embed_tokens.weight)
-    assert pack_model_(m) == 3
+    assert pack_model_(m, keep_plain=True) == 3
     assert isinstance(m.block[0], PackedLinear) and isinstance(m.block[2], PackedLinear)
     assert isinstance(m.lm_head, PackedLinear) and m.lm_head.out_features == 50
     assert not any(type(x) is nn.Linear for x in m.modules())
     assert isinstance(m.embed_tokens, nn.Embedding)  # the lookup keeps the plain table
+    if cpu_ops.available():  # small batches of logits read the embedding table itself
+        assert m.lm_head.plain.data_ptr() == m.embed_tokens.weight.data_ptr()
     with torch.inference_mode():
         hidden = m.block(x)
         torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.lm_head(hidden), ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.lm_head(hidden[:1]), ref_logits[:1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.e2e

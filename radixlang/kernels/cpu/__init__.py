@@ -32,6 +32,7 @@ _SIGNATURES = {
     "rl_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
     "rl_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
     "rl_store_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
+    "rl_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
 }
 
@@ -148,6 +149,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, width // 2)
     _load().rl_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width // 2, torch.get_num_threads())
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias) -> a new [m, n], for the few rows of a decode step: the weight is
+    streamed once in its row-major layout. (Many rows are the packed oneDNN matmul's job.)"""
+    _f32("x", x, 2)
+    _f32("weight", weight, 2)
+    _contiguous("x", x)
+    _contiguous("weight", weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features, weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    if bias is not None:
+        _f32("bias", bias, 1)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias has {bias.shape[0]} features, weight has {n} outputs")
+    y = torch.empty(m, n)
+    _load().rl_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      m, n, k, torch.get_num_threads())
+    return y
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, *,

@@ -237,3 +237,18 @@ int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, co
     }
     return failed ? -1 : 0;
 }
+
+/* y[i, o] = sum_j x[i, j] * w[o, j] (+ bias[o]) for a few rows of x: the weight stays in PyTorch's
+ * row-major [n, k] layout and is read once, row after row (one sequential stream per thread, which
+ * the hardware prefetcher keeps ahead of); each weight row, in L1 once read, is scored against every
+ * row of x. At batch 1 this reads the weights near memory bandwidth. (An interleaved 4-row blocking
+ * with vector accumulators ran ~1.4x slower at one row here.) */
+void rl_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+               int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n * k >= PAR_MIN)
+    for (int64_t o = 0; o < n; o++) {
+        const float *wo = w + o * k;
+        const float b = bias ? bias[o] : 0.0f;
+        for (int64_t i = 0; i < m; i++) y[i * n + o] = rl_dot(wo, x + i * k, k) + b;
+    }
+}
