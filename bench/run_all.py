@@ -135,7 +135,8 @@ def _system_child(system: System, names: list[str], model_dir: str, quick: bool 
     conn.close()
 
 
-def run(workloads: list[Workload], systems: list[System], model_dir: str, quick: bool) -> dict[str, Any]:
+def run(workloads: list[Workload], systems: list[System], model_dir: str, quick: bool,
+        out: str = "latest") -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
     with tqdm(total=len(workloads) * len(systems), desc="bench") as bar:
         for system in systems:
@@ -147,7 +148,7 @@ def run(workloads: list[Workload], systems: list[System], model_dir: str, quick:
                     table[w][system.name] = row
                     bar.update()
                 # every finished cell is on disk: an interrupted run keeps what it measured
-                write_result("latest", {"quick": quick, "partial": True, "workloads": _with_ratios(table)})
+                write_result(out, {"quick": quick, "partial": True, "workloads": _with_ratios(table)})
     return _with_ratios(table)
 
 
@@ -197,7 +198,7 @@ def markdown_table(table: dict[str, dict[str, Any]], systems: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(table: dict[str, dict[str, Any]], systems: list[str]) -> None:
+def plot(table: dict[str, dict[str, Any]], systems: list[str], out: str = "latest") -> None:
     """Normalized throughput bars (radixlang = 1), one group per workload, like the paper's figure."""
     import matplotlib
     matplotlib.use("Agg")
@@ -212,7 +213,7 @@ def plot(table: dict[str, dict[str, Any]], systems: list[str]) -> None:
     ax.set_ylabel("throughput / radixlang")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(RESULTS / "latest.png", dpi=120)
+    fig.savefig(RESULTS / f"{out}.png", dpi=120)
 
 
 def main() -> None:
@@ -222,19 +223,20 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="programs in flight for the radixlang systems")
     ap.add_argument("--systems", nargs="*", help="system names to run (default: all that can run here but "
                                                    "radixlang_bf16)")
+    ap.add_argument("--out", default="latest", help="results name: bench/results/NAME.json and NAME.png")
     args = ap.parse_args()
     from radixlang.runtime.models.loader import resolve_model_dir
     workloads = [w for w in all_workloads() if not args.only or w.name in args.only]
     systems = [s for s in default_systems(args.concurrency)
                if (s.name in args.systems if args.systems else s.name != "radixlang_bf16")]
-    table = run(workloads, systems, resolve_model_dir(None), args.quick)
+    table = run(workloads, systems, resolve_model_dir(None), args.quick, args.out)
     print_table(table)
     print(markdown_table(table, [s.name for s in systems]))
-    print("wrote", write_result("latest", {"quick": args.quick, "partial": False, "systems": [s.name for s in systems],
+    print("wrote", write_result(args.out, {"quick": args.quick, "partial": False, "systems": [s.name for s in systems],
                                            "workloads": table}))
     try:
-        plot(table, [s.name for s in systems])
-        print("wrote", RESULTS / "latest.png")
+        plot(table, [s.name for s in systems], args.out)
+        print("wrote", RESULTS / f"{args.out}.png")
     except ImportError:
         print("matplotlib not installed: no chart")
 

@@ -105,6 +105,9 @@ class Attention(nn.Module):
         # q and k rotated in one go: at batch 1 on a CPU every op counts
         qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if rope.cos is None:  # the compiled CPU kernel rotates qkv in place
+            if not qkv.is_contiguous():
+                qkv = qkv.contiguous()
+                qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
             cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check_range=False)
         else:
             qk = _apply_rope(qk, rope.cos, rope.sin)
