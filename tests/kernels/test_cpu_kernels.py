@@ -168,7 +168,8 @@ def test_build_error_names_the_compiler_failure(tmp_path, monkeypatch):
         build.library_path()
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (2, 203, 96), (3, 5, 1537), (1, 49152, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (2, 203, 96), (3, 5, 1537), (4, 70, 576), (7, 33, 40),
+                                   (1, 49152, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(m, n, k, bias):
     torch.manual_seed(6)

@@ -38,11 +38,11 @@ def test_small_rows_run_on_the_kept_row_major_weight(bias, monkeypatch):
     calls = []
     real = cpu_ops.linear
     monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for lead in ((1,), (2,), (1, 2), (3,), (40,)):
+    for lead in ((1,), (2,), (1, 2), (3,), (4,), (2, 3), (5,), (40,)):
         x = torch.randn(*lead, 96)
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 2, 2]  # at most SMALL_ROWS rows on the C kernel; more on the packed matmul
+    assert calls == [1, 2, 2, 3, 4]  # at most SMALL_ROWS (4) rows on the C kernel; more on the packed matmul
     assert PackedLinear.from_linear(nn.Linear(8, 8).to(torch.bfloat16), keep_plain=True).plain is None
 
 

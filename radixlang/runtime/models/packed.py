@@ -15,7 +15,7 @@ freezing pass uses); where they are missing the model keeps plain ``nn.Linear``.
 
 At one or two rows oneDNN's matmul still reads the weights at only about half the memory
 bandwidth. With radixlang's CPU kernels on (the default), float32 layers also keep their row-major
-weight and run those steps on a streaming C kernel (``SMALL_ROWS``): 1.7x faster at batch 1 over
+weight and run those steps on a streaming C kernel (``SMALL_ROWS``): 1.6x faster at batch 1 over
 SmolLM2's linears, at the cost of holding both copies (+425 MB for SmolLM2 in float32; the tied
 logits read the embedding table itself). ``--disable-cpu-kernels`` keeps only the packed copy.
 """
@@ -41,10 +41,12 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # counts in all, compiled once per weight shape when the model is packed (``warm_up``).
 EXACT_ROWS = 32
 CHUNK_ROWS = 256
-# up to this many rows (a decode step of one or two requests), a linear that kept its row-major
+# up to this many rows (a decode step of one to four requests), a linear that kept its row-major
 # weight runs radixlang's streaming C kernel instead (kernels/cpu): measured over SmolLM2's linears
-# at 1 row 17.5 ms against 30 ms packed, at 2 rows 26 against 34; from 4 rows on packed is faster
-SMALL_ROWS = 2
+# at 1 row 21 ms against 34 ms packed, 2-3 rows 18-24 against 31-40, 4 rows 30-32 against 32-33;
+# from 5 rows on packed is as fast or faster. Whole decode runs on SmolLM2 (48 tokens, 300-token
+# prompts): batch 2 1.4x faster, batches 3 and 4 the same within noise
+SMALL_ROWS = 4
 
 
 def bucket_rows(m: int) -> int:
