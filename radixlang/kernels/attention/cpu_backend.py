@@ -48,12 +48,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         if (k.dtype == v.dtype == k_buf.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1
                 and k.stride(1) == v.stride(1) == k.shape[2]):
-            cpu_ops.store_kv(k, v, k_buf, v_buf, forward_batch.out_cache_loc, check_range=False)
+            cpu_ops.store_kv(k, v, k_buf, v_buf, forward_batch.out_cache_loc, check=False)
         else:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         qf = q.to(torch.float32)
         if qf.stride(-1) != 1 or qf.stride(1) != qf.shape[2]:
             qf = qf.contiguous()
         out = cpu_ops.decode_attention(qf, k_buf, v_buf, forward_batch.req_to_token, self._req_idx, self._seq_lens,
-                                       layer.scaling, check_range=False)
+                                       layer.scaling, check=False)
         return out.to(q.dtype)

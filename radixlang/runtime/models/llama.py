@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:
-            return cpu_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_ops.rms_norm(x, self.weight, self.eps, check=x.dtype != torch.float32)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
             return self(x), x
         if self.fused:  # one pass, in place: x is the sublayer's fresh output and residual is ours
             x = x.contiguous()
-            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps, check=x.dtype != torch.float32)
             return x, residual
         residual = x + residual
         return self(residual), residual
@@ -108,7 +108,7 @@ class Attention(nn.Module):
             if not qkv.is_contiguous():
                 qkv = qkv.contiguous()
                 qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-            cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check_range=False)
+            cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check=False)
         else:
             qk = _apply_rope(qk, rope.cos, rope.sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -147,7 +147,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous()))
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
