@@ -18,8 +18,8 @@ attention backend keep their torch ops.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 
 import torch
 
@@ -38,42 +38,37 @@ _SIGNATURES = {
     "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
 }
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded library, or why it could not be built or loaded; computed once per process (two
+    threads racing here may both build: the build renames a finished file into place)."""
+    try:
+        lib = ctypes.CDLL(str(library_path()))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        return lib
+    except (BuildError, OSError, AttributeError) as e:
+        logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
+        return str(e)
 
 
 def _load() -> ctypes.CDLL:
-    global _lib, _error
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                lib = ctypes.CDLL(str(library_path()))
-                for name, (restype, argtypes) in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = restype, argtypes
-                _lib = lib
-            except (BuildError, OSError, AttributeError) as e:
-                _error = str(e)
-                logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
-        if _lib is None:
-            raise RuntimeError(f"radixlang CPU kernels are unavailable: {_error}")
-        return _lib
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"radixlang CPU kernels are unavailable: {lib}")
+    return lib
 
 
 def available() -> bool:
     """Whether the kernels are built and loaded (building them now if needed)."""
-    try:
-        _load()
-        return True
-    except RuntimeError:
-        return False
+    return not isinstance(_library(), str)
 
 
 def unavailable_reason() -> str | None:
-    return None if available() else _error
+    lib = _library()
+    return lib if isinstance(lib, str) else None
 
 
 def _f32(name: str, t: torch.Tensor, dims: int) -> None:

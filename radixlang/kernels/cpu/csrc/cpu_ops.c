@@ -280,7 +280,7 @@ void rl_linear(const float *x, const float *w, const float *bias, float *y, int6
     for (int64_t o = 0; o < n; o++) {
         const float *wo = w + o * k;
         const float b = bias ? bias[o] : 0.0f;
-        float r[4];
+        float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         int64_t i0 = 0;
         for (; i0 + 4 <= m; i0 += 4) {
             row_dots(wo, x, k, i0, 4, r);
