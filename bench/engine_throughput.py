@@ -30,7 +30,7 @@ from radixlang.runtime.models.loader import resolve_model_dir
 
 def _transformers_baseline(folder: str, prompt: list[int], new_tokens: int, subset: list[list[int]],
                            long_prompt: list[int], conn) -> None:
-    """Child process: the copy bandwidth and transformers' three measures, sent back on conn."""
+    """Child process: the copy and read bandwidths and transformers' three measures, sent back on conn."""
     torch.set_num_threads(threads())
     bw, read_bw = copy_bandwidth_gbs(), read_bandwidth_gbs()
     hf = load_hf(folder)
@@ -119,8 +119,9 @@ def main() -> None:
         r = rows[k]
         base = r.get("transformers", r.get("transformers_sequential"))
         print(f"{k:28s} {r['radixlang']:12.1f} {base:13.1f} {r['ratio']:6.2f}x")
-    print(f"copy bandwidth {bw:.1f} GB/s (read + write), read bandwidth {read_bw:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB; batch-1 step "
-          f"{step_s * 1e3:.1f} ms = {step_s / floor_s:.2f}x the floor ({floor_s * 1e3:.1f} ms)")
+    print(f"copy bandwidth {bw:.1f} GB/s (read + write), read bandwidth {read_bw:.1f} GB/s; weights "
+          f"{weight_bytes / 1e6:.0f} MB; batch-1 step {step_s * 1e3:.1f} ms = {step_s / floor_s:.2f}x the floor "
+          f"({floor_s * 1e3:.1f} ms)")
     for name in variants:
         same = rows[f"{name}_decode_batch1_tok_s"]["greedy_tokens_equal_to_fp32"]
         print(f"{name}: the first {same} of {new_tokens} greedy tokens equal fp32's")

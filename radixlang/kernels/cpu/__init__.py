@@ -71,16 +71,15 @@ def unavailable_reason() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def _f32(name: str, t: torch.Tensor, dims: int) -> None:
+def _f32(name: str, t: torch.Tensor, dims: int, *, contiguous: bool = False) -> None:
+    """t must be a dims-D float32 CPU tensor with unit stride in its last dim (and wholly contiguous
+    when ``contiguous``)."""
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-D float32 CPU tensor, got {t.dtype} {tuple(t.shape)} "
                          f"on {t.device}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
-
-
-def _contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
 
 
@@ -102,11 +101,9 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   check: bool = True) -> None:
     """In place: residual += x, then x = rms_norm(residual) * weight. Both contiguous [n, d]."""
     if check:
-        _f32("x", x, 2)
-        _f32("residual", residual, 2)
+        _f32("x", x, 2, contiguous=True)
+        _f32("residual", residual, 2, contiguous=True)
         _f32("weight", weight, 1)
-        _contiguous("x", x)
-        _contiguous("residual", residual)
         if x.shape != residual.shape or weight.shape[0] != x.shape[1]:
             raise ValueError(f"shapes differ: x {tuple(x.shape)}, residual {tuple(residual.shape)}, "
                              f"weight {tuple(weight.shape)}")
@@ -123,10 +120,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_si
     n, heads, d = x.shape
     if check:
         _f32("x", x, 3)
-        _f32("cos", cos, 2)
-        _f32("signed_sin", signed_sin, 2)
-        _contiguous("cos", cos)
-        _contiguous("signed_sin", signed_sin)
+        _f32("cos", cos, 2, contiguous=True)
+        _f32("signed_sin", signed_sin, 2, contiguous=True)
         if x.stride(1) != d or d % 2 or cos.shape != signed_sin.shape or cos.shape[1] != d:
             raise ValueError(f"x {tuple(x.shape)} strides {x.stride()} does not fit tables {tuple(cos.shape)}")
         _indices("positions", positions, n, cos.shape[0])
@@ -138,8 +133,7 @@ def silu_mul(gate_up: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """gate_up [n, 2 * inter] (gate then up) -> silu(gate) * up, a new [n, inter]."""
     n, width = gate_up.shape
     if check:
-        _f32("gate_up", gate_up, 2)
-        _contiguous("gate_up", gate_up)
+        _f32("gate_up", gate_up, 2, contiguous=True)
         if width % 2:
             raise ValueError(f"gate_up must have an even width, got {width}")
     out = torch.empty(n, width // 2)
@@ -154,15 +148,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     if check:
-        _f32("x", x, 2)
-        _f32("weight", weight, 2)
-        _contiguous("x", x)
-        _contiguous("weight", weight)
+        _f32("x", x, 2, contiguous=True)
+        _f32("weight", weight, 2, contiguous=True)
         if weight.shape[1] != k:
             raise ValueError(f"x has {k} features, weight {tuple(weight.shape)} expects {weight.shape[1]}")
         if bias is not None:
-            _f32("bias", bias, 1)
-            _contiguous("bias", bias)
+            _f32("bias", bias, 1, contiguous=True)
             if bias.shape[0] != n:
                 raise ValueError(f"bias has {bias.shape[0]} features, weight has {n} outputs")
     y = torch.empty(m, n)
@@ -177,10 +168,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
     buffers [slots, heads, d] contiguous; loc [n] int64 slots inside the buffers."""
     n, heads, d = k.shape
     if check:
-        for name, t in (("k", k), ("v", v), ("k_buf", k_buf), ("v_buf", v_buf)):
-            _f32(name, t, 3)
-        _contiguous("k_buf", k_buf)
-        _contiguous("v_buf", v_buf)
+        _f32("k", k, 3)
+        _f32("v", v, 3)
+        _f32("k_buf", k_buf, 3, contiguous=True)
+        _f32("v_buf", v_buf, 3, contiguous=True)
         if (v.shape != k.shape or k.stride(1) != d or v.stride(1) != d or k_buf.shape[1:] != (heads, d)
                 or v_buf.shape != k_buf.shape):
             raise ValueError(f"k {tuple(k.shape)} {k.stride()}, v {tuple(v.shape)} {v.stride()} do not fit the "
@@ -202,10 +193,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     hkv = k_buf.shape[1]
     if check:
         _f32("q", q, 3)
-        _f32("k_buf", k_buf, 3)
-        _f32("v_buf", v_buf, 3)
-        _contiguous("k_buf", k_buf)
-        _contiguous("v_buf", v_buf)
+        _f32("k_buf", k_buf, 3, contiguous=True)
+        _f32("v_buf", v_buf, 3, contiguous=True)
         if q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape or hq % hkv:
             raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)}")
         if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:

@@ -100,14 +100,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         # x [num_tokens, hidden]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x).contiguous()  # [n, q_size + 2 * kv_size]; the view below needs packed rows
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
         qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        if rope.cos is None:  # the compiled CPU kernel rotates qkv in place
-            if not qkv.is_contiguous():
-                qkv = qkv.contiguous()
-                qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if rope.cos is None:  # the compiled CPU kernel rotates them in place inside qkv
             cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check=False)
         else:
             qk = _apply_rope(qk, rope.cos, rope.sin)

@@ -13,9 +13,9 @@ packed copy (the embedding lookup keeps the plain table), which costs vocab x hi
 memory and halves the logits matmul. The ops are PyTorch's own (the ones its compiler's CPU
 freezing pass uses); where they are missing the model keeps plain ``nn.Linear``.
 
-At one or two rows oneDNN's matmul still reads the weights at only about half the memory
+At a few rows oneDNN's matmul still reads the weights at only about half the memory
 bandwidth. With radixlang's CPU kernels on (the default), float32 layers also keep their row-major
-weight and run those steps on a streaming C kernel (``SMALL_ROWS``): 1.6x faster at batch 1 over
+weight and run steps of up to ``SMALL_ROWS`` rows on a streaming C kernel: 1.6x faster at batch 1 over
 SmolLM2's linears, at the cost of holding both copies (+425 MB for SmolLM2 in float32; the tied
 logits read the embedding table itself). ``--disable-cpu-kernels`` keeps only the packed copy.
 """

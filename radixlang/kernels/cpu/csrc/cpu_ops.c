@@ -25,6 +25,21 @@
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+/* unaligned 16-float loads and stores (memcpy is how C spells them; it compiles to one instruction) */
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum16(v16f v) {
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += v[j];
+    return s;
+}
+
 static inline v16f rl_exp16(v16f x) {
     const v16f lo = (v16f){0} - 87.0f, hi = (v16f){0} + 88.0f;
     v16i below = x < lo, above = x > hi;
@@ -53,14 +68,11 @@ static inline float rl_exp_n(float *x, int64_t n, float shift) {
     v16f acc = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        v16f v;
-        memcpy(&v, x + i, sizeof v);
-        v = rl_exp16(v - shift);
-        memcpy(x + i, &v, sizeof v);
+        const v16f v = rl_exp16(load16(x + i) - shift);
+        store16(x + i, v);
         acc += v;
     }
-    float sum = 0.0f;
-    for (int j = 0; j < 16; j++) sum += acc[j];
+    float sum = hsum16(acc);
     for (; i < n; i++) {
         x[i] = rl_exp(x[i] - shift);
         sum += x[i];
@@ -131,11 +143,8 @@ void rl_silu_mul(const float *gu, float *out, int64_t n, int64_t inter, int nthr
         float *o = out + i * inter;
         int64_t j = 0;
         for (; j + 16 <= inter; j += 16) {  /* silu(g) = g / (1 + exp(-g)) */
-            v16f gv, uv;
-            memcpy(&gv, g + j, sizeof gv);
-            memcpy(&uv, u + j, sizeof uv);
-            v16f ov = gv / (1.0f + rl_exp16(-gv)) * uv;
-            memcpy(o + j, &ov, sizeof ov);
+            const v16f gv = load16(g + j);
+            store16(o + j, gv / (1.0f + rl_exp16(-gv)) * load16(u + j));
         }
         for (; j < inter; j++) o[j] = g[j] / (1.0f + rl_exp(-g[j])) * u[j];
     }
@@ -238,26 +247,6 @@ int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, co
     return failed ? -1 : 0;
 }
 
-/* y[i, o] = sum_j x[i, j] * w[o, j] (+ bias[o]) for a few rows of x: the weight stays in PyTorch's
- * row-major [n, k] layout and is read once, row after row (one sequential stream per thread, which
- * the hardware prefetcher keeps ahead of); each weight row, in L1 once read, is scored against the
- * rows of x up to four at a time, each 16-float chunk of the weight loaded once for all of them.
- * At batch 1 this reads the weights near memory bandwidth. Measured over SmolLM2's linears against
- * oneDNN's packed matmul: 1 row 21 vs 34 ms, 2 rows 18-22 vs 35-40, 3 rows 22-24 vs 31-32, 4 rows
- * 30-32 vs 32-33, 5 rows 30-38 vs 33. (Interleaving four weight rows per block, or four
- * accumulators along k at one row, both ran slower.) */
-static inline float hsum16(v16f v) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-}
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* one weight row against rows i0 .. i0 + cols - 1 of x (2 <= cols <= 4), into out[0 .. cols) */
 static inline __attribute__((always_inline)) void row_dots(const float *wo, const float *x, int64_t k, int64_t i0,
                                                            const int cols, float *out) {
@@ -274,6 +263,14 @@ static inline __attribute__((always_inline)) void row_dots(const float *wo, cons
     }
 }
 
+/* y[i, o] = sum_j x[i, j] * w[o, j] (+ bias[o]) for a few rows of x: the weight stays in PyTorch's
+ * row-major [n, k] layout and is read once, row after row (one sequential stream per thread, which
+ * the hardware prefetcher keeps ahead of); each weight row, in L1 once read, is scored against the
+ * rows of x up to four at a time, each 16-float chunk of the weight loaded once for all of them.
+ * At batch 1 this reads the weights near memory bandwidth. Measured over SmolLM2's linears against
+ * oneDNN's packed matmul: 1 row 21 vs 34 ms, 2 rows 18-22 vs 35-40, 3 rows 22-24 vs 31-32, 4 rows
+ * 30-32 vs 32-33, 5 rows 30-38 vs 33. (Interleaving four weight rows per block, or four
+ * accumulators along k at one row, both ran slower.) */
 void rl_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n * k >= PAR_MIN)
