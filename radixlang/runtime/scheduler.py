@@ -79,6 +79,12 @@ class Scheduler:
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
                   arrival_time=time.monotonic())
         self.stats["num_requests"] += 1
+        if params.max_new_tokens == 0 and not tr.return_logprob and self.args.disable_radix_cache:
+            # a prefill-only request (a client warming a prefix) returns nothing, and without a cache it
+            # leaves nothing behind: computing it would only cost a prefill
+            req.finished_reason = {"type": "length", "length": 0}
+            self._finish(req)
+            return
         self.waiting.append(req)
 
     @property

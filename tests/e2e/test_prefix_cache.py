@@ -40,6 +40,35 @@ def test_cache_on_equals_off_and_counts(tiny_model_dir):
     assert turn2["meta_info"]["cached_tokens"] >= len(prompts[0]) + 3 + len(turn1["output_ids"]) - 1
 
 
+def test_prefill_only_request_is_free_without_cache(tiny_model_dir):
+    """Warming a prefix (max_new_tokens=0, no logprobs) keeps nothing when there is no cache: no forward runs."""
+    from radixlang.lang.backends.engine import EngineBackend
+    from radixlang.lang.choices import TokenLengthNormalized
+
+    prefix, prompts = _few_shot(1)
+    kw = {"model_path": tiny_model_dir, "load_format": "dummy", "max_total_tokens": 8192}
+    choices = [[7, 8], [9], [10, 11, 12]]
+    with Engine(**kw, disable_radix_cache=True) as off, Engine(**kw) as on:
+        steps = off.get_server_info()["forward_steps"]
+        out = off.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 0})
+        assert out["meta_info"]["prompt_tokens"] == len(prompts[0])
+        assert out["meta_info"]["finish_reason"]["type"] == "length" and out["output_ids"] == []
+        assert off.get_server_info()["forward_steps"] == steps
+        # with logprobs asked for, the prompt is still scored
+        scored = off.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+        assert len(scored["meta_info"]["input_token_logprobs"]) == len(prompts[0])
+        assert off.get_server_info()["forward_steps"] == steps + 1
+        # select warms the prefix first: without a cache that costs nothing, and the choice is the same
+        text = off.tokenizer.decode(prefix)
+        words = [off.tokenizer.decode(c) for c in choices]
+        picks = [EngineBackend(e).select(text, words, 0.0, TokenLengthNormalized()) for e in (off, on)]
+        assert picks[0].decision == picks[1].decision
+        assert picks[0].meta_info["normalized_prompt_logprobs"] == pytest.approx(
+            picks[1].meta_info["normalized_prompt_logprobs"], abs=1e-4)
+        off.check_memory_leak()
+
+
 def test_exact_cached_tokens_sequence(tiny_engine):
     assert tiny_engine.flush_cache()
     ids = list(range(100, 140))
