@@ -42,6 +42,6 @@ def _program(max_tokens: int):
     return chat
 
 
-SHORT = Workload("chat_short", _program(8), _dataset(2, 12), ("turn_0", "turn_1"), quick_n=4, full_n=32)
+SHORT = Workload("chat_short", _program(8), _dataset(2, 12), ("turn_0", "turn_1"), quick_n=8, full_n=32)
 LONG = Workload("chat_long", _program(32), _dataset(4, 40), ("turn_0", "turn_1", "turn_2", "turn_3"),
                 quick_n=4, full_n=16)

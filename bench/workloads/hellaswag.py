@@ -20,4 +20,4 @@ def hellaswag(s, prefix, context, endings):
     s += sgl.select("ending", endings)
 
 
-WORKLOAD = Workload("hellaswag_20shot_select", hellaswag, dataset, ("ending",), quick_n=4, full_n=32)
+WORKLOAD = Workload("hellaswag_20shot_select", hellaswag, dataset, ("ending",), quick_n=2, full_n=32)

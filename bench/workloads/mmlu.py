@@ -37,4 +37,4 @@ def mmlu_select(s, prefix, question):
 
 
 GEN = Workload("mmlu_5shot_gen", mmlu_gen, dataset, ("answer",), quick_n=8, full_n=64)
-SELECT = Workload("mmlu_5shot_select", mmlu_select, dataset, ("answer",), quick_n=8, full_n=64)
+SELECT = Workload("mmlu_5shot_select", mmlu_select, dataset, ("answer",), quick_n=4, full_n=64)

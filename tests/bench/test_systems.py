@@ -19,7 +19,7 @@ def test_server_system_runs_programs_over_http(tiny_model_dir):
                              log_level="warning", launch_timeout=120)
     try:
         select = run_workload(_workload("mmlu_5shot_select"), server, n=4, concurrency=4)
-        gen = run_workload(_workload("fewshot_32x417"), server, n=4, concurrency=4)
+        gen = run_workload(_workload("fewshot_417"), server, n=4, concurrency=4)
     finally:
         close(server)
     assert server.pid is None  # close() stopped the server it launched
@@ -46,7 +46,7 @@ def test_llama_cpp_runs_gen_and_select(smollm_path):
     backend = system.open(smollm_path)
     try:
         select = run_workload(_workload("mmlu_5shot_select"), backend, n=1, concurrency=1)
-        gen = run_workload(_workload("fewshot_32x417"), backend, n=2, concurrency=1)
+        gen = run_workload(_workload("fewshot_417"), backend, n=2, concurrency=1)
     finally:
         close(backend)
     assert "error" not in select and "error" not in gen, (select.get("error"), gen.get("error"))
