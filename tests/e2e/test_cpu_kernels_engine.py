@@ -47,3 +47,26 @@ def test_torch_backend_can_be_chosen_with_kernels_on(tiny_model_dir):
         out = eng.generate(input_ids=list(range(5, 30)), sampling_params={"max_new_tokens": 5, "temperature": 0,
                                                                          "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 5
+
+
+def test_engine_extend_kernel_matches_torch_ops(tmp_path):
+    """Head size 64: prefills, chunked prefills and questions after a cached prefix run the extend kernel."""
+    from radixlang import Engine
+    from tests.tiny_model import make_tiny_model_dir
+    model = make_tiny_model_dir(str(tmp_path / "d64"), hidden=128, heads=2, kv_heads=1)
+    shared = list(range(5, 90))
+    prompts = [shared + [3, 4, 7], shared + [9], list(range(100, 107)), list(range(200, 430))]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs = []
+    for off in (False, True):
+        with Engine(model_path=model, load_format="dummy", max_total_tokens=4096, chunked_prefill_size=64,
+                    disable_cpu_kernels=off) as engine:
+            backend = engine.scheduler.runner.attn_backend
+            assert (type(backend) is CpuAttnBackend and backend._extend_kernel) != off
+            engine.generate(input_ids=shared, sampling_params={"max_new_tokens": 0})  # the prefix is cached first
+            outs.append(engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                        logprob_start_len=0))
+    for a, b in zip(*outs):
+        assert a["output_ids"] == b["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            torch.testing.assert_close(_logprobs(a, key), _logprobs(b, key), rtol=1e-4, atol=1e-4)

@@ -128,6 +128,64 @@ def test_decode_attention_checks_its_metadata():
         cpu.decode_attention(torch.zeros(2, 3, 8), k_buf, k_buf, r2t, torch.tensor([0, 1]), torch.tensor([1, 1]), 1.0)
 
 
+def _extend_case(hq, hkv, d, reqs, slots=6000):
+    """Pool, req_to_token rows (scattered slots, rows in any order) and strided q for (prefix, extend) requests."""
+    k_buf, v_buf = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+    r2t = torch.zeros(len(reqs) + 3, 2048, dtype=torch.int32)
+    req_idx = torch.randperm(len(reqs) + 3)[:len(reqs)]
+    free = torch.randperm(slots - 1) + 1
+    start = 0
+    for row, (p, e) in zip(req_idx.tolist(), reqs):
+        r2t[row, :p + e] = free[start:start + p + e].to(torch.int32)
+        start += p + e
+    ext = torch.tensor([e for _, e in reqs])
+    qkv = torch.randn(int(ext.sum()), (hq + 2 * hkv) * d) * 3
+    q = qkv[:, :hq * d].view(-1, hq, d)  # strided rows, as the model passes q
+    return q, k_buf, v_buf, r2t, req_idx, torch.cumsum(ext, 0) - ext, torch.tensor([p for p, _ in reqs]), ext
+
+
+def _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale):
+    out = torch.empty(q.shape)
+    rep = q.shape[1] // k_buf.shape[1]
+    for b in range(len(req_idx)):
+        p, e, s = int(prefix[b]), int(ext[b]), int(q_start[b])
+        loc = r2t[req_idx[b], :p + e].long()
+        k = k_buf[loc].repeat_interleave(rep, 1).double()  # [L, hq, d]
+        v = v_buf[loc].repeat_interleave(rep, 1).double()
+        scores = torch.einsum("thd,lhd->htl", q[s:s + e].double(), k) * scale
+        seen = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]  # [e, L]: causal after the prefix
+        p_ = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[s:s + e] = torch.einsum("htl,lhd->thd", p_, v).float()
+    return out
+
+
+# (prefix, extend) per request: fresh prompts, one-token extends (decodes in a mixed batch), questions
+# after a cached prefix, a long prompt spanning many 16-token query blocks, a prefix just past 32 keys
+REQS = [(0, 1), (0, 7), (5, 1), (0, 70), (40, 17), (300, 16), (33, 3), (1000, 40)]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 2, 256)])
+def test_extend_attention_matches_reference(hq, hkv, d):
+    torch.manual_seed(6)
+    args = _extend_case(hq, hkv, d, REQS)
+    out = cpu.extend_attention(*args, d ** -0.5)
+    torch.testing.assert_close(out, _extend_reference(*args, d ** -0.5), rtol=1e-4, atol=1e-5)  # float32 sums
+
+
+def test_extend_attention_checks_its_metadata():
+    q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext = _extend_case(4, 2, 64, [(3, 2), (0, 4)])
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
+        cpu.extend_attention(torch.zeros(6, 4, 32), torch.zeros(10, 2, 32), torch.zeros(10, 2, 32), r2t, req_idx,
+                             q_start, prefix, ext, 1.0)
+    with pytest.raises(ValueError, match="queries or slots run past"):
+        cpu.extend_attention(q, k_buf, v_buf, r2t, req_idx, torch.tensor([0, 3]), prefix, ext, 1.0)
+    with pytest.raises(ValueError, match="queries or slots run past"):
+        cpu.extend_attention(q, k_buf, v_buf, r2t, req_idx, q_start, torch.tensor([2047, 0]), ext, 1.0)
+    with pytest.raises(ValueError, match=r"req_pool_indices must lie in \[0, 5\)"):
+        cpu.extend_attention(q, k_buf, v_buf, r2t, torch.tensor([0, 5]), q_start, prefix, ext, 1.0)
+    assert not cpu.extend_fits(80, 4, 4) and not cpu.extend_fits(64, 6, 4) and cpu.extend_fits(128, 8, 2)
+
+
 @pytest.mark.parametrize("bad", ["dtype", "stride"])
 def test_wrappers_refuse_what_the_c_code_cannot_read(bad):
     x = torch.randn(3, 16, dtype=torch.float64) if bad == "dtype" else torch.randn(16, 3).t()

@@ -53,20 +53,21 @@ SHARED_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend_name,flash", [("torch", True), ("torch", False), ("cpu", True)],
-                         ids=["flash_lse", "matmul", "cpu_kernels"])
+@pytest.mark.parametrize("backend_name,flash,d", [("torch", True, 16), ("torch", False, 16), ("cpu", True, 16),
+                                                  ("cpu", True, 64)],
+                         ids=["flash_lse", "matmul", "cpu_decode_kernel", "cpu_kernels"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (6, 2)])
 @pytest.mark.parametrize("case", list(CASES) + list(SHARED_CASES))
-def test_matches_reference(heads, kv_heads, case, backend_name, flash, monkeypatch):
+def test_matches_reference(heads, kv_heads, case, backend_name, flash, d, monkeypatch):
     # multi-token queries over a shared run merge two flash attentions by log-sum-exp; without that
     # kernel (or off the CPU) they take the single-softmax matmul path: both must be exact. The cpu
-    # backend is the torch backend with decode steps on the compiled kernel (paged, no groups)
+    # backend runs decodes on its compiled kernel (paged, no groups), and extends too when the head
+    # size is a multiple of 64 (d=16: the torch backend's extend)
     if backend_name == "cpu" and not cpu_ops.available():
         pytest.skip(f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}")
     if not flash:
         monkeypatch.setattr(torch_native, "_FLASH_LSE", None)
     torch.manual_seed(0)
-    d = 16
     layer = Layer(heads, kv_heads, d)
     mode, prefix_lens, extend_lens, shared = CASES[case] + ([],) if case in CASES else SHARED_CASES[case]
     n = len(prefix_lens)
@@ -117,7 +118,7 @@ def test_matches_reference(heads, kv_heads, case, backend_name, flash, monkeypat
         if not seen & set(members):  # a run nested in an earlier one is part of that group
             expect.append(([m for m in members if not (mode.is_extend() and extend_lens[m] > 64)], length))
         seen |= set(members)
-    if backend_name == "torch" or mode.is_extend():
+    if backend_name == "torch" or (mode.is_extend() and not backend._extend_kernel):  # the kernels need no groups
         assert [r for r in runs if r[1]] == sorted(expect)
     out = backend.forward(q, new_k, new_v, layer, fb)
     start = 0

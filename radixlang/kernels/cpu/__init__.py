@@ -36,6 +36,8 @@ _SIGNATURES = {
     "rl_store_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
     "rl_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
+    "rl_extend_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
+                                   _INT]),
 }
 
 
@@ -209,6 +211,51 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
+    return out
+
+
+def extend_fits(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether extend_attention takes these heads (the C kernel's register blocks are 64 dims wide)."""
+    return head_dim % 64 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, q_start: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, scale: float, *, check: bool = True) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its KV slots -> [tokens, hq, d].
+
+    q [tokens, hq, d] (rows may be strided); request b's queries are rows q_start[b] ..
+    q_start[b] + extend_lens[b] - 1, and query t sees the first prefix_lens[b] + t + 1 slots of its
+    req_to_token row, its own new k/v included (write them to the pool first). Index tensors: int64 [bs].
+    """
+    tokens, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    bs = len(req_pool_indices)
+    if check:
+        _f32("q", q, 3)
+        _f32("k_buf", k_buf, 3, contiguous=True)
+        _f32("v_buf", v_buf, 3, contiguous=True)
+        if (q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape
+                or not extend_fits(d, hq, hkv)):
+            raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)} "
+                             f"(head_dim must be a multiple of 64, at most 256)")
+        if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+            raise ValueError(f"req_to_token must be int32 [rows, cols] with unit column stride, got "
+                             f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+        _indices("req_pool_indices", req_pool_indices, bs, req_to_token.shape[0])
+        _indices("extend_lens", extend_lens, bs, tokens + 1)
+        _indices("prefix_lens", prefix_lens, bs, req_to_token.shape[1])
+        _indices("q_start", q_start, bs, max(tokens, 1))
+        if bs and (int((q_start + extend_lens).max()) > tokens
+                   or int((prefix_lens + extend_lens).max()) > req_to_token.shape[1]):
+            raise ValueError("a request's queries or slots run past q or its req_to_token row")
+    out = torch.empty(tokens, hq, d)
+    rc = _load().rl_extend_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                                     req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
+                                     q_start.data_ptr(), prefix_lens.data_ptr(), extend_lens.data_ptr(),
+                                     out.data_ptr(), bs, hq, hkv, d, scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("extend attention could not allocate its buffers")
     return out
 
 
