@@ -160,8 +160,9 @@ def _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale
 
 
 # (prefix, extend) per request: fresh prompts, one-token extends (decodes in a mixed batch), questions
-# after a cached prefix, a long prompt spanning many 16-token query blocks, a prefix just past 32 keys
-REQS = [(0, 1), (0, 7), (5, 1), (0, 70), (40, 17), (300, 16), (33, 3), (1000, 40)]
+# after a cached prefix, prompts spanning many 16-token query blocks and more than one 128-token work
+# item, a prefix just past 32 keys
+REQS = [(0, 1), (0, 7), (5, 1), (0, 70), (40, 17), (300, 16), (33, 3), (1000, 40), (0, 300), (20, 130)]
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (2, 2, 256)])

@@ -299,9 +299,10 @@ void rl_linear(const float *x, const float *w, const float *bias, float *y, int6
  * query rows q_start[b] .. q_start[b] + ext_len[b] - 1, at positions prefix_len[b] + t, and query t
  * sees the first prefix_len[b] + t + 1 slots of row req_idx[b] of req_to_token (its own new k/v
  * must already be in the pool). d must be a multiple of 64, at most 256.
- * Work items are (request, kv head, block of EXT_QB query tokens). An item copies its keys
- * transposed ([d][keys]) into a per-thread buffer, then scores its rep * EXT_QB query rows (the
- * grouped heads together) against all keys it can see as a small matrix product, 4 rows x 32 keys
+ * Work items are (request, kv head, chunk of up to 8 blocks of EXT_QB query tokens). An item copies
+ * the keys its chunk can see, transposed ([d][keys]), into a per-thread buffer once; then for each
+ * block it scores the rep * EXT_QB query rows (the grouped heads together) against the keys that
+ * block can see as a small matrix product, 4 rows x 32 keys
  * per register block; an exact softmax per row; then P @ V with values read straight from the pool,
  * 4 rows x 64 dims per register block. torch's flash SDPA ran these shapes at ~40 GFLOPS here,
  * after gathering and repeating every request's k/v for each query head. */
@@ -343,6 +344,11 @@ static void ext_pv(const float *const *pr, const float *v_buf, const int32_t *sl
         for (int x = 0; x < 4; x++) store16(orow[r] + c0 + 16 * x, a[r][x] * inv[r]);
 }
 
+/* query blocks of one request and kv head per work item: the item gathers the keys once for all its blocks */
+#define EXT_CHUNK (8 * EXT_QB)
+
+static inline int64_t ext_chunks(int64_t n) { return (n + EXT_CHUNK - 1) / EXT_CHUNK; }
+
 int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *q_start, const int64_t *prefix_len, const int64_t *ext_len, float *out,
@@ -350,11 +356,10 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
     const int64_t rep = hq / hkv, kv_row = hkv * d, rows_max = rep * EXT_QB;
     int64_t items = 0, nk_max = 32;
     for (int64_t b = 0; b < bs; b++) {
-        items += hkv * ((ext_len[b] + EXT_QB - 1) / EXT_QB);
+        items += hkv * ext_chunks(ext_len[b]);
         const int64_t nk = (prefix_len[b] + ext_len[b] + 31) / 32 * 32;
         nk_max = nk > nk_max ? nk : nk_max;
     }
-    /* item it -> (request, kv head, block): a prefix sum over requests, walked by each item */
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
@@ -367,55 +372,66 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (kt == NULL || sc == NULL || inv == NULL) continue;
+            /* item it -> (request b, kv head h, chunk): walk the requests' item counts */
             int64_t b = 0, rest = it;
-            while (rest >= hkv * ((ext_len[b] + EXT_QB - 1) / EXT_QB)) {
-                rest -= hkv * ((ext_len[b] + EXT_QB - 1) / EXT_QB);
+            while (rest >= hkv * ext_chunks(ext_len[b])) {
+                rest -= hkv * ext_chunks(ext_len[b]);
                 b++;
             }
-            const int64_t h = rest % hkv, t0 = (rest / hkv) * EXT_QB;
-            const int64_t nt = ext_len[b] - t0 < EXT_QB ? ext_len[b] - t0 : EXT_QB;
-            const int64_t nk = prefix_len[b] + t0 + nt, nk_pad = (nk + 31) / 32 * 32, rows = nt * rep;
+            const int64_t h = rest % hkv, t_begin = (rest / hkv) * EXT_CHUNK;
+            const int64_t t_end = ext_len[b] - t_begin < EXT_CHUNK ? ext_len[b] : t_begin + EXT_CHUNK;
+            const int64_t nk_all = prefix_len[b] + t_end, ks = (nk_all + 31) / 32 * 32;
             const int32_t *slots = req_to_token + req_idx[b] * r2t_stride;
-            /* keys transposed: kt[c][j] = k(slot j)[h][c]; the padding keys are zero (masked below) */
-            for (int64_t j = 0; j < nk; j++) {
-                if (j + PREFETCH < nk) __builtin_prefetch(k_buf + (int64_t)slots[j + PREFETCH] * kv_row + h * d);
-                const float *kj = k_buf + (int64_t)slots[j] * kv_row + h * d;
-                for (int64_t c = 0; c < d; c++) kt[c * nk_pad + j] = kj[c];
-            }
-            for (int64_t c = 0; c < d; c++) memset(kt + c * nk_pad + nk, 0, sizeof(float) * (nk_pad - nk));
-            /* query row i = token t0 + i / rep, head h * rep + i % rep; rows past the end repeat the last */
-            const float *qr[4];
-            float *sr[4];
-            for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-                for (int r = 0; r < 4; r++) {
-                    const int64_t i = i0 + r < rows ? i0 + r : rows - 1;
-                    qr[r] = q + (q_start[b] + t0 + i / rep) * q_stride + (h * rep + i % rep) * d;
-                    sr[r] = sc + (i0 + r) * nk_pad;
+            /* keys transposed, kt[c][j] = k(slot j)[h][c] (row stride ks), 16 keys at a time so that each
+             * store run fills a cache line; the padding keys are zero (their scores are masked) */
+            for (int64_t j0 = 0; j0 < nk_all; j0 += 16) {
+                const int64_t nj = nk_all - j0 < 16 ? nk_all - j0 : 16;
+                const float *kr[16];
+                for (int64_t j = 0; j < nj; j++) kr[j] = k_buf + (int64_t)slots[j0 + j] * kv_row + h * d;
+                for (int64_t c = 0; c < d; c++) {
+                    float *dst = kt + c * ks + j0;
+                    for (int64_t j = 0; j < nj; j++) dst[j] = kr[j][c];
                 }
-                for (int64_t j0 = 0; j0 < nk_pad; j0 += 32) ext_scores(qr, kt, nk_pad, j0, d, scale, sr);
             }
-            for (int64_t i = 0; i < rows; i++) {
-                float *s = sc + i * nk_pad, mx;
-                const int64_t valid = prefix_len[b] + t0 + i / rep + 1;
-                mx = s[0];
+            for (int64_t c = 0; c < d; c++) memset(kt + c * ks + nk_all, 0, sizeof(float) * (ks - nk_all));
+            for (int64_t t0 = t_begin; t0 < t_end; t0 += EXT_QB) {
+                const int64_t nt = t_end - t0 < EXT_QB ? t_end - t0 : EXT_QB;
+                const int64_t nk = prefix_len[b] + t0 + nt, nk_pad = (nk + 31) / 32 * 32, rows = nt * rep;
+                /* query row i = token t0 + i / rep, head h * rep + i % rep; rows past the end repeat the last */
+                const float *qr[4];
+                float *sr[4];
+                for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+                    for (int r = 0; r < 4; r++) {
+                        const int64_t i = i0 + r < rows ? i0 + r : rows - 1;
+                        qr[r] = q + (q_start[b] + t0 + i / rep) * q_stride + (h * rep + i % rep) * d;
+                        sr[r] = sc + (i0 + r) * nk_pad;
+                    }
+                    for (int64_t j0 = 0; j0 < nk_pad; j0 += 32) ext_scores(qr, kt, ks, j0, d, scale, sr);
+                }
+                for (int64_t i = 0; i < rows; i++) {
+                    float *s = sc + i * nk_pad, mx;
+                    const int64_t valid = prefix_len[b] + t0 + i / rep + 1;
+                    mx = s[0];
 #pragma omp simd reduction(max : mx)
-                for (int64_t j = 1; j < valid; j++) mx = s[j] > mx ? s[j] : mx;
-                inv[i] = 1.0f / rl_exp_n(s, valid, mx);
-                memset(s + valid, 0, sizeof(float) * (nk_pad - valid));
-            }
-            const float *pr[4];
-            float *orow[4], spare[4][256];
-            for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-                float iv[4];
-                for (int r = 0; r < 4; r++) {
-                    const int64_t i = i0 + r;
-                    pr[r] = sc + (i < rows ? i : rows - 1) * nk_pad;
-                    iv[r] = inv[i < rows ? i : rows - 1];
-                    orow[r] = i < rows ? out + ((q_start[b] + t0 + i / rep) * hq + h * rep + i % rep) * d
-                                       : spare[r];
+                    for (int64_t j = 1; j < valid; j++) mx = s[j] > mx ? s[j] : mx;
+                    inv[i] = 1.0f / rl_exp_n(s, valid, mx);
+                    memset(s + valid, 0, sizeof(float) * (nk_pad - valid));
                 }
-                const int64_t nk_rows = prefix_len[b] + t0 + (i0 + 3 < rows ? i0 + 3 : rows - 1) / rep + 1;
-                for (int64_t c0 = 0; c0 < d; c0 += 64) ext_pv(pr, v_buf, slots, nk_rows, h * d, kv_row, c0, iv, orow);
+                const float *pr[4];
+                float *orow[4], spare[4][256];
+                for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+                    float iv[4];
+                    for (int r = 0; r < 4; r++) {
+                        const int64_t i = i0 + r;
+                        pr[r] = sc + (i < rows ? i : rows - 1) * nk_pad;
+                        iv[r] = inv[i < rows ? i : rows - 1];
+                        orow[r] = i < rows ? out + ((q_start[b] + t0 + i / rep) * hq + h * rep + i % rep) * d
+                                           : spare[r];
+                    }
+                    const int64_t nk_rows = prefix_len[b] + t0 + (i0 + 3 < rows ? i0 + 3 : rows - 1) / rep + 1;
+                    for (int64_t c0 = 0; c0 < d; c0 += 64)
+                        ext_pv(pr, v_buf, slots, nk_rows, h * d, kv_row, c0, iv, orow);
+                }
             }
         }
         free(kt);
