@@ -302,7 +302,7 @@ void rl_linear(const float *x, const float *w, const float *bias, float *y, int6
  * Work items are (request, kv head, chunk of up to 8 blocks of EXT_QB query tokens). An item copies
  * the keys its chunk can see, transposed ([d][keys]), into a per-thread buffer once; then for each
  * block it scores the rep * EXT_QB query rows (the grouped heads together) against the keys that
- * block can see as a small matrix product, 4 rows x 32 keys
+ * block can see as a small matrix product, 8 rows x 32 keys
  * per register block; an exact softmax per row; then P @ V with values read straight from the pool,
  * 4 rows x 64 dims per register block. torch's flash SDPA ran these shapes at ~40 GFLOPS here,
  * after gathering and repeating every request's k/v for each query head. */
@@ -310,21 +310,21 @@ void rl_linear(const float *x, const float *w, const float *bias, float *y, int6
 
 static void ext_scores(const float *const *qr, const float *kt, int64_t nk_pad, int64_t j0, int64_t d,
                        float scale, float *const *sr) {
-    v16f a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    v16f a[8][2];
+    for (int r = 0; r < 8; r++) a[r][0] = a[r][1] = (v16f){0};
     for (int64_t c = 0; c < d; c++) {
         const float *kc = kt + c * nk_pad + j0;
         const v16f k0 = load16(kc), k1 = load16(kc + 16);
-        const v16f b0 = (v16f){0} + qr[0][c], b1 = (v16f){0} + qr[1][c];
-        const v16f b2 = (v16f){0} + qr[2][c], b3 = (v16f){0} + qr[3][c];
-        a00 += b0 * k0; a01 += b0 * k1;
-        a10 += b1 * k0; a11 += b1 * k1;
-        a20 += b2 * k0; a21 += b2 * k1;
-        a30 += b3 * k0; a31 += b3 * k1;
+        for (int r = 0; r < 8; r++) {
+            const v16f b = (v16f){0} + qr[r][c];
+            a[r][0] += b * k0;
+            a[r][1] += b * k1;
+        }
     }
-    store16(sr[0] + j0, a00 * scale); store16(sr[0] + j0 + 16, a01 * scale);
-    store16(sr[1] + j0, a10 * scale); store16(sr[1] + j0 + 16, a11 * scale);
-    store16(sr[2] + j0, a20 * scale); store16(sr[2] + j0 + 16, a21 * scale);
-    store16(sr[3] + j0, a30 * scale); store16(sr[3] + j0 + 16, a31 * scale);
+    for (int r = 0; r < 8; r++) {
+        store16(sr[r] + j0, a[r][0] * scale);
+        store16(sr[r] + j0 + 16, a[r][1] * scale);
+    }
 }
 
 /* out rows [4][64 dims from c0] = sum_j p[r][j] * v[j][c0 .. c0 + 64), scaled by inv[r] */
@@ -364,7 +364,7 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
         float *kt = malloc(sizeof(float) * d * nk_max);
-        float *sc = malloc(sizeof(float) * (rows_max + 3) * nk_max), *inv = malloc(sizeof(float) * rows_max);
+        float *sc = malloc(sizeof(float) * (rows_max + 7) * nk_max), *inv = malloc(sizeof(float) * rows_max);
         if (kt == NULL || sc == NULL || inv == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -398,10 +398,10 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
                 const int64_t nt = t_end - t0 < EXT_QB ? t_end - t0 : EXT_QB;
                 const int64_t nk = prefix_len[b] + t0 + nt, nk_pad = (nk + 31) / 32 * 32, rows = nt * rep;
                 /* query row i = token t0 + i / rep, head h * rep + i % rep; rows past the end repeat the last */
-                const float *qr[4];
-                float *sr[4];
-                for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-                    for (int r = 0; r < 4; r++) {
+                const float *qr[8];
+                float *sr[8];
+                for (int64_t i0 = 0; i0 < rows; i0 += 8) {
+                    for (int r = 0; r < 8; r++) {
                         const int64_t i = i0 + r < rows ? i0 + r : rows - 1;
                         qr[r] = q + (q_start[b] + t0 + i / rep) * q_stride + (h * rep + i % rep) * d;
                         sr[r] = sc + (i0 + r) * nk_pad;
