@@ -1,4 +1,4 @@
-"""MMLU-style: a shared 5-shot prefix (~600 tokens), a 1-token answer via gen and via select."""
+"""MMLU-style: a shared 5-shot prefix (~380 tokens), a ~72-token question, a 1-token answer via gen and via select."""
 from __future__ import annotations
 
 import random
