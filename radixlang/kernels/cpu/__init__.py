@@ -194,14 +194,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     bs, hq, d = q.shape
     hkv = k_buf.shape[1]
     if check:
-        _f32("q", q, 3)
-        _f32("k_buf", k_buf, 3, contiguous=True)
-        _f32("v_buf", v_buf, 3, contiguous=True)
-        if q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape or hq % hkv:
-            raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)}")
-        if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
-            raise ValueError(f"req_to_token must be int32 [rows, cols] with unit column stride, got "
-                             f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+        _check_paged(q, k_buf, v_buf, req_to_token, hq % hkv == 0)
         _indices("req_pool_indices", req_pool_indices, bs, req_to_token.shape[0])
         _indices("seq_lens", seq_lens, bs, req_to_token.shape[1] + 1)
     out = torch.empty(bs, hq, d)
@@ -232,16 +225,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     hkv = k_buf.shape[1]
     bs = len(req_pool_indices)
     if check:
-        _f32("q", q, 3)
-        _f32("k_buf", k_buf, 3, contiguous=True)
-        _f32("v_buf", v_buf, 3, contiguous=True)
-        if (q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape
-                or not extend_fits(d, hq, hkv)):
-            raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)} "
-                             f"(head_dim must be a multiple of 64, at most 256)")
-        if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
-            raise ValueError(f"req_to_token must be int32 [rows, cols] with unit column stride, got "
-                             f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+        _check_paged(q, k_buf, v_buf, req_to_token, extend_fits(d, hq, hkv),
+                     " (head_dim must be a multiple of 64, at most 256)")
         _indices("req_pool_indices", req_pool_indices, bs, req_to_token.shape[0])
         _indices("extend_lens", extend_lens, bs, tokens + 1)
         _indices("prefix_lens", prefix_lens, bs, req_to_token.shape[1])
@@ -257,6 +242,21 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if rc != 0:
         raise MemoryError("extend attention could not allocate its buffers")
     return out
+
+
+def _check_paged(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                 heads_fit: bool, why: str = "") -> None:
+    """What both paged attention kernels read: q [tokens, hq, d] with packed heads, contiguous float32
+    [slots, hkv, d] buffers, int32 req_to_token rows; ``heads_fit``: the kernel takes these head counts."""
+    _f32("q", q, 3)
+    _f32("k_buf", k_buf, 3, contiguous=True)
+    _f32("v_buf", v_buf, 3, contiguous=True)
+    d = q.shape[2]
+    if q.stride(1) != d or k_buf.shape[2] != d or v_buf.shape != k_buf.shape or not heads_fit:
+        raise ValueError(f"q {tuple(q.shape)} {q.stride()} does not fit the buffers {tuple(k_buf.shape)}{why}")
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(f"req_to_token must be int32 [rows, cols] with unit column stride, got "
+                         f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
 
 
 def _indices(name: str, t: torch.Tensor, n: int, bound: int) -> None:

@@ -40,6 +40,28 @@ static inline float hsum16(v16f v) {
     return s;
 }
 
+/* sixteen 16-lane vectors -> one vector whose lane i is the sum of v[i]: a transposing tree of
+ * shuffles and adds (45 operations where sixteen separate horizontal sums take ~130) */
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+static inline v16f hsum16x16(v16f *v) {
+    v16f h[8], q[4], e[2];
+    for (int p = 0; p < 8; p++)  /* lanes 0-7: key 2p (two halves added), 8-15: key 2p + 1 */
+        h[p] = SHUF(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int p = 0; p < 4; p++)  /* four lanes per key */
+        q[p] = SHUF(h[2 * p], h[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUF(h[2 * p], h[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)  /* two lanes per key */
+        e[p] = SHUF(q[2 * p], q[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUF(q[2 * p], q[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 static inline v16f rl_exp16(v16f x) {
     const v16f lo = (v16f){0} - 87.0f, hi = (v16f){0} + 88.0f;
     v16i below = x < lo, above = x > hi;
@@ -168,28 +190,6 @@ void rl_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
  * heads of a kv head are scored together, so each key and value row is read once per request and kv
  * head. Work items are (request, kv head) pairs; an item keeps its scores whole (an exact softmax) in
  * a per-thread buffer of rep * max(seq_lens) floats. */
-/* sixteen 16-lane vectors -> one vector whose lane i is the sum of v[i]: a transposing tree of
- * shuffles and adds (45 operations where sixteen separate horizontal sums take ~130) */
-#if defined(__clang__)
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#endif
-static inline v16f hsum16x16(v16f *v) {
-    v16f h[8], q[4], e[2];
-    for (int p = 0; p < 8; p++)  /* lanes 0-7: key 2p (two halves added), 8-15: key 2p + 1 */
-        h[p] = SHUF(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int p = 0; p < 4; p++)  /* four lanes per key */
-        q[p] = SHUF(h[2 * p], h[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(h[2 * p], h[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int p = 0; p < 2; p++)  /* two lanes per key */
-        e[p] = SHUF(q[2 * p], q[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(q[2 * p], q[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 static inline __attribute__((always_inline)) void decode_item(
     const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots, int64_t len,
     int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores, const int64_t d) {
