@@ -101,3 +101,21 @@ def test_smollm_gguf_matches_transformers(smollm_path, cpu_kernels):
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-4, rel
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch_ops", "cpu_kernels"])
+def test_long_prefill_matches_transformers(tmp_path, cpu_kernels, monkeypatch):
+    """A prefill longer than a packed matmul slice: with the CPU kernels the MLP runs slice by slice."""
+    from radixlang.runtime.models import llama, packed
+    folder = make_tiny_model_dir(str(tmp_path), kv_heads=2, heads=4)
+    loaded = load_model(folder, load_format="dummy", seed=5)
+    n = 2 * packed.CHUNK_ROWS + 37
+    slices = []
+    real = llama.MLP._fused
+    monkeypatch.setattr(llama.MLP, "_fused", lambda self, x: slices.append(x.shape[0]) or real(self, x))
+    ids = torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = _run_ours(loaded.model, ids, cpu_kernels=cpu_kernels)
+    ref = _hf_logits(folder, ids, state_dict=_ours_to_hf_state(loaded.model))
+    assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (ours - ref).abs().max()
+    layers = len(loaded.model.layers)
+    assert slices == ([packed.CHUNK_ROWS, packed.CHUNK_ROWS, 37] * layers if cpu_kernels else [])

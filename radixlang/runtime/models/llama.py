@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
+from radixlang.runtime.models import packed
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
@@ -141,12 +142,25 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
+        self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
+            n = x.shape[0]
+            if n <= packed.CHUNK_ROWS or not self.row_slices:
+                return self._fused(x)
+            # a long prefill runs the MLP a slice of rows at a time: the slice's gate/up activations
+            # (rows x 2 x intermediate floats) stay in cache for the SiLU and the down projection
+            # instead of going out to memory and back, and no slice outputs are concatenated
+            out = x.new_empty(n, self.down_proj.out_features)
+            for i in range(0, n, packed.CHUNK_ROWS):
+                out[i:i + packed.CHUNK_ROWS] = self._fused(x[i:i + packed.CHUNK_ROWS])
+            return out
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
 
 
 class DecoderLayer(nn.Module):
