@@ -143,9 +143,12 @@ class ModelRunner:
             out_cache_loc=inputs.out_cache_loc.to(dev), req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         self.attn_backend.init_forward_metadata(fb)
+        rows = inputs.logit_rows
+        # a decode step (or a prompt with every token's logprobs) wants every row: no gather then
+        every = len(rows) == len(inputs.input_ids) and torch.equal(rows, torch.arange(len(rows)))
         with torch.inference_mode():
-            hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden]
-            return self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).cpu()
+            hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
+            return self.model.compute_logits(hidden).cpu()  # [len(rows), vocab]
 
     def shutdown(self) -> None:
         """Rank 0: stop the follower ranks and leave the group. Idempotent; a no-op without TP."""

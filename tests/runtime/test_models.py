@@ -17,10 +17,11 @@ from tiny_model import make_tiny_model_dir
 
 
 def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = False,
-              cpu_kernels: bool = False) -> torch.Tensor:
+              cpu_kernels: bool = False, keep_rows: list[int] | None = None) -> torch.Tensor:
     """Logits of every position through the paged pool: one EXTEND over the prompt, or with
     ``decode_last`` an EXTEND over ids[:-1] then a DECODE of ids[-1]; [n, vocab]. ``cpu_kernels``:
-    the model's small ops and the decode attention on radixlang's compiled CPU kernels."""
+    the model's small ops and the decode attention on radixlang's compiled CPU kernels. ``keep_rows``:
+    the EXTEND returns only those rows' logits."""
     n = len(ids)
     pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
                          head_dim=model.head_dim, dtype=torch.float32, device="cpu")
@@ -43,7 +44,8 @@ def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = Fa
                           extend_seq_lens_cpu=[end - start], out_cache_loc=loc[start:end],
                           req_to_token=reqs.req_to_token, token_to_kv_pool=pool, attn_backend=backend)
         backend.init_forward_metadata(fb)
-        out.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
+        keep = torch.tensor(keep_rows) if keep_rows is not None and mode is ForwardMode.EXTEND else None
+        out.append(model.compute_logits(model(fb.input_ids, fb.positions, fb, keep)))
     return torch.cat(out)
 
 
@@ -119,3 +121,21 @@ def test_long_prefill_matches_transformers(tmp_path, cpu_kernels, monkeypatch):
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (ours - ref).abs().max()
     layers = len(loaded.model.layers)
     assert slices == ([packed.CHUNK_ROWS, packed.CHUNK_ROWS, 37] * layers if cpu_kernels else [])
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch_ops", "cpu_kernels"])
+def test_keep_rows_computes_only_those_rows(tmp_path, cpu_kernels, monkeypatch):
+    """The runner asks for the rows it takes logits of: the same numbers as the full forward, and the
+    last layer's MLP runs on those rows alone."""
+    from radixlang.runtime.models import llama
+    folder = make_tiny_model_dir(str(tmp_path), kv_heads=2, heads=4)
+    model = load_model(folder, load_format="dummy", seed=7).model
+    ids = list(range(100, 400, 7))
+    keep = [0, 5, 6, len(ids) - 1]
+    full = _run_ours(model, ids, cpu_kernels=cpu_kernels)
+    mlp_rows = []
+    real = llama.MLP.forward
+    monkeypatch.setattr(llama.MLP, "forward", lambda self, x: mlp_rows.append(x.shape[0]) or real(self, x))
+    part = _run_ours(model, ids, cpu_kernels=cpu_kernels, keep_rows=keep)
+    torch.testing.assert_close(part, full[keep], rtol=1e-5, atol=1e-5)
+    assert mlp_rows == [len(ids)] * (len(model.layers) - 1) + [len(keep)]

@@ -99,8 +99,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
-        # x [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden], or only the ``keep_rows`` rows' output (every
+        token's k and v still go to the pool)."""
         qkv = self.qkv_proj(x).contiguous()  # [n, q_size + 2 * kv_size]; the view below needs packed rows
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
@@ -112,7 +114,9 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.q_size))
+        if keep_rows is not None:
+            out = out[keep_rows]
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
 class Rotary(NamedTuple):
@@ -172,11 +176,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
-                forward_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                forward_batch: Any, keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream rides beside the layer's output: x is the previous sublayer's output (the
-        embeddings when residual is None), residual the sum before it. Returns (mlp output, residual)."""
+        embeddings when residual is None), residual the sum before it. Returns (mlp output, residual),
+        of the ``keep_rows`` rows only when given: past attention, no other row is computed."""
         x, residual = self.input_layernorm.add_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, forward_batch), residual)
+        x = self.self_attn(x, rope, forward_batch, keep_rows)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
+        x, residual = self.post_attention_layernorm.add_norm(x, residual)
         return self.mlp(x), residual
 
 
@@ -212,8 +220,14 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden] after the final norm.
+
+        ``keep_rows`` (int64 token rows): return only those rows' hidden states, [len(keep_rows), hidden].
+        The last layer then runs its output projection and MLP on those rows alone: a prefill needs the
+        logits of its last token, while every token's k and v (written before attention) are still
+        cached. On SmolLM2 (30 layers) that skips ~3% of a prefill's matmul work."""
         x = self.embed_tokens(input_ids)
         if self.cpu_kernels:
             if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_cache.shape[0]):
@@ -223,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
             rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, self.cos_cache[positions][:, None, :],
                           self.signed_sin_cache[positions][:, None, :])
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, forward_batch)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rope, forward_batch, keep_rows if i == last else None)
         return self.norm.add_norm(x, residual)[0]
 
     def use_cpu_kernels(self) -> bool:
