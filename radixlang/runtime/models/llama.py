@@ -103,6 +103,11 @@ class Attention(nn.Module):
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden], or only the ``keep_rows`` rows' output (every
         token's k and v still go to the pool)."""
+        out = self.attend(x, rope, forward_batch)
+        return self.o_proj(out if keep_rows is None else out[keep_rows])
+
+    def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
+        """Everything but the output projection: x [num_tokens, hidden] -> [num_tokens, heads * head_dim]."""
         qkv = self.qkv_proj(x).contiguous()  # [n, q_size + 2 * kv_size]; the view below needs packed rows
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
@@ -114,9 +119,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
-        if keep_rows is not None:
-            out = out[keep_rows]
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+        return out.reshape(n, self.q_size)
 
 
 class Rotary(NamedTuple):
@@ -146,20 +149,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
-        self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            n = x.shape[0]
-            if n <= packed.CHUNK_ROWS or not self.row_slices:
-                return self._fused(x)
-            # a long prefill runs the MLP a slice of rows at a time: the slice's gate/up activations
-            # (rows x 2 x intermediate floats) stay in cache for the SiLU and the down projection
-            # instead of going out to memory and back, and no slice outputs are concatenated
-            out = x.new_empty(n, self.down_proj.out_features)
-            for i in range(0, n, packed.CHUNK_ROWS):
-                out[i:i + packed.CHUNK_ROWS] = self._fused(x[i:i + packed.CHUNK_ROWS])
-            return out
+            return self._fused(x)
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -174,6 +167,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
                 forward_batch: Any, keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,11 +175,23 @@ class DecoderLayer(nn.Module):
         embeddings when residual is None), residual the sum before it. Returns (mlp output, residual),
         of the ``keep_rows`` rows only when given: past attention, no other row is computed."""
         x, residual = self.input_layernorm.add_norm(x, residual)
-        x = self.self_attn(x, rope, forward_batch, keep_rows)
+        x = self.self_attn.attend(x, rope, forward_batch)
         if keep_rows is not None:
-            residual = residual[keep_rows]
-        x, residual = self.post_attention_layernorm.add_norm(x, residual)
-        return self.mlp(x), residual
+            x, residual = x[keep_rows], residual[keep_rows]
+        n = x.shape[0]
+        if n <= packed.CHUNK_ROWS or not (self.row_slices and self.mlp.fused and self.post_attention_layernorm.fused):
+            x, residual = self.post_attention_layernorm.add_norm(self.self_attn.o_proj(x), residual)
+            return self.mlp(x), residual
+        # a long prefill runs everything after attention a packed-matmul slice of rows at a time: the
+        # slice's activations (its 2 x intermediate gate/up floats per row above all) stay in cache
+        # from the output projection through the down projection instead of going out to memory and
+        # back, and no slice outputs are concatenated. The norm updates its rows of residual in place
+        out = x.new_empty(n, self.mlp.down_proj.out_features)
+        for i in range(0, n, packed.CHUNK_ROWS):
+            rows = slice(i, i + packed.CHUNK_ROWS)
+            h, _ = self.post_attention_layernorm.add_norm(self.self_attn.o_proj(x[rows]), residual[rows])
+            out[rows] = self.mlp._fused(h)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
