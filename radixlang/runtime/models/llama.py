@@ -99,12 +99,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x [num_tokens, hidden] -> [num_tokens, hidden], or only the ``keep_rows`` rows' output (every
-        token's k and v still go to the pool)."""
-        out = self.attend(x, rope, forward_batch)
-        return self.o_proj(out if keep_rows is None else out[keep_rows])
+    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden] (DecoderLayer runs the two halves itself)."""
+        return self.o_proj(self.attend(x, rope, forward_batch))
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [num_tokens, hidden] -> [num_tokens, heads * head_dim]."""
@@ -180,18 +177,22 @@ class DecoderLayer(nn.Module):
             x, residual = x[keep_rows], residual[keep_rows]
         n = x.shape[0]
         if n <= packed.CHUNK_ROWS or not (self.row_slices and self.mlp.fused and self.post_attention_layernorm.fused):
-            x, residual = self.post_attention_layernorm.add_norm(self.self_attn.o_proj(x), residual)
-            return self.mlp(x), residual
+            return self._after_attention(x, residual)
         # a long prefill runs everything after attention a packed-matmul slice of rows at a time: the
         # slice's activations (its 2 x intermediate gate/up floats per row above all) stay in cache
         # from the output projection through the down projection instead of going out to memory and
-        # back, and no slice outputs are concatenated. The norm updates its rows of residual in place
+        # back, and no slice outputs are concatenated. The fused norm updates its rows of residual in
+        # place, so the residual it returns is a view of ours
         out = x.new_empty(n, self.mlp.down_proj.out_features)
         for i in range(0, n, packed.CHUNK_ROWS):
             rows = slice(i, i + packed.CHUNK_ROWS)
-            h, _ = self.post_attention_layernorm.add_norm(self.self_attn.o_proj(x[rows]), residual[rows])
-            out[rows] = self.mlp._fused(h)
+            out[rows] = self._after_attention(x[rows], residual[rows])[0]
         return out, residual
+
+    def _after_attention(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the residual add and norm, the MLP: attention output rows -> (mlp output, residual)."""
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn.o_proj(x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
