@@ -30,7 +30,7 @@ from bench.common import timed, write_result
 from bench.prefix_sharing import few_shot_prompts
 from radixlang import Engine
 from radixlang.runtime.models.loader import resolve_model_dir
-from radixlang.runtime.router import Router
+from radixlang.runtime.dp.router import Router
 
 POLICIES = ("cache_aware", "round_robin")
 SCENARIOS = ("roomy", "tight")  # roomy: every prefix fits in every replica's KV pool; tight: see TIGHT

@@ -46,7 +46,7 @@ def device_copy_gbs(num_bytes: int = 1 << 30) -> float:
 
 
 def _batch(pool, reqs, backend, mode, prefix_lens, extend_lens):
-    from radixlang.runtime.forward_batch import ForwardBatch
+    from radixlang.runtime.model_executor.forward_batch import ForwardBatch
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     starts = [0]
     for n in seq[:-1]:
@@ -88,7 +88,7 @@ def main() -> int:
     from bench.common import write_result
     from radixlang.kernels.attention import create_attention_backend
     from radixlang.kernels.attention.base import ForwardMode
-    from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+    from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
     copy_gbs = device_copy_gbs()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s")

@@ -100,7 +100,7 @@ def _programs(workload: Workload, system: System, quick: bool) -> int:
 
 
 # what every system's process imports: the fork server imports it once, each child starts from a copy
-_PRELOAD = ["torch", "transformers", "radixlang.runtime.engine", "radixlang.lang", "bench.systems", "bench.peers",
+_PRELOAD = ["torch", "transformers", "radixlang.runtime.entrypoints.engine", "radixlang.lang", "bench.systems", "bench.peers",
             "bench.workloads", "llama_cpp", "outlines"]
 
 

@@ -17,6 +17,6 @@ __all__ = [*_lang_all, "Engine", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from radixlang.runtime.engine import Engine
+        from radixlang.runtime.entrypoints.engine import Engine
         return Engine
     raise AttributeError(f"module 'radixlang' has no attribute {name!r}")

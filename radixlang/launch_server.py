@@ -4,7 +4,7 @@
 
 Every option is a ServerArgs field (see --help). Without --model-path the
 embedded SmolLM2-135M-Instruct is served. Three kinds of process serve it (see
-runtime/launcher.py): this one (HTTP), a scheduler per --dp-size replica, a detokenizer.
+runtime/entrypoints/launcher.py): this one (HTTP), a scheduler per --dp-size replica, a detokenizer.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from radixlang.runtime.config import ServerArgs
+from radixlang.runtime.server_args import ServerArgs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the server", args.host)
     if args.node_rank > 0:  # a tensor-parallel node without the scheduler: run its ranks only
-        from radixlang.runtime.tp_worker import run_node
-        run_node(args)
+        from radixlang.runtime.model_executor.model_runner import follower_main
+        from radixlang.runtime.model_executor.tp_leader import run_node
+        run_node(args, follower_main)
         return
-    from radixlang.runtime.launcher import run_server
+    from radixlang.runtime.entrypoints.launcher import run_server
 
     try:
         code = run_server(args)

@@ -115,7 +115,7 @@ def test_abort_reaches_the_right_replica(dp_round_robin):
 
 
 def test_metrics_render_summed_replicas(dp_round_robin):
-    from radixlang.runtime.metrics import make_registry, render
+    from radixlang.runtime.entrypoints.metrics import make_registry, render
     dp_round_robin.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=GREEDY)
     info = dp_round_robin.get_server_info()
     text = render(make_registry(dp_round_robin.get_server_info)).decode()

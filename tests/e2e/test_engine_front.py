@@ -6,8 +6,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from radixlang.runtime.engine_front import EngineFront
-from radixlang.runtime.http_server import create_app
+from radixlang.runtime.entrypoints.engine_front import EngineFront
+from radixlang.runtime.entrypoints.http_server import create_app
 
 pytestmark = pytest.mark.e2e
 

@@ -115,10 +115,10 @@ def test_policies_give_same_greedy_outputs(tiny_model_dir, policy):
 def test_dfs_weight_orders_heaviest_subtree_first():
     import torch
 
-    from radixlang.runtime.batch import Req
-    from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
-    from radixlang.runtime.sampling_params import SamplingParams
-    from radixlang.runtime.tree_cache import TreeReqCache
+    from radixlang.runtime.managers.schedule_batch import Req
+    from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from radixlang.runtime.sampling.sampling_params import SamplingParams
+    from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
 
     cache = TreeReqCache(ReqToTokenPool(4, 64, "cpu"),
                          TokenToKVPool(64, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from radixlang import Engine
-from radixlang.runtime.config import ServerArgs
-from radixlang.runtime.distributed import free_port
+from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.model_executor.distributed import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ import torch
 from radixlang.kernels.attention import create_attention_backend
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.cuda_graph import CudaGraphRunner, DecodeGraphInputs
-from radixlang.runtime.forward_batch import ForwardBatch
-from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.model_executor.forward_batch import ForwardBatch
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 pytestmark = pytest.mark.cuda
 

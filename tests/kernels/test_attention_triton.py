@@ -19,8 +19,8 @@ import torch
 
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
-from radixlang.runtime.forward_batch import ForwardBatch
-from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.model_executor.forward_batch import ForwardBatch
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
 class Layer:

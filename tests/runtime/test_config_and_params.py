@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from radixlang.runtime.config import ServerArgs
-from radixlang.runtime.io import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
-from radixlang.runtime.sampling_params import SamplingParams
+from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 
 def test_cli_generated_from_fields():

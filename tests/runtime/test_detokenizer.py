@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixlang.runtime.detokenizer import IncrementalDecoder, stop_holdback, trim_at_stop
+from radixlang.runtime.managers.detokenizer import IncrementalDecoder, stop_holdback, trim_at_stop
 
 
 class ByteTokenizer:

@@ -1,7 +1,7 @@
 """Latency histograms: bucket edges, the +Inf bucket, and the JSON shape metrics.py reads."""
 from __future__ import annotations
 
-from radixlang.runtime.latency import Histogram
+from radixlang.runtime.managers.latency import Histogram
 
 
 def test_histogram_buckets_and_totals():

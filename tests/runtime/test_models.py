@@ -9,8 +9,8 @@ from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
-from radixlang.runtime.forward_batch import ForwardBatch
-from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.model_executor.forward_batch import ForwardBatch
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.loader import load_model
 from tiny_model import make_tiny_model_dir

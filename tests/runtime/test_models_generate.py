@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
-from radixlang.runtime.forward_batch import ForwardBatch
-from radixlang.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.model_executor.forward_batch import ForwardBatch
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.loader import load_model
 

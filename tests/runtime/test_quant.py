@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from tiny_model import tied_toy_model
 
-from radixlang.runtime.config import ServerArgs
+from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.models.quant import Int8WeightOnlyLinear, quantize_model_
 
 

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixlang.runtime.io import (
+from radixlang.runtime.managers.io_struct import (
     CheckMemoryLeakOut, FlushCacheOut, GetInternalStateOut, GetInternalStateReq, SchedulerReady, decode, encode,
 )
-from radixlang.runtime.latency import TTFT_BUCKETS, Histogram
-from radixlang.runtime.replicas import merge_states
+from radixlang.runtime.managers.latency import TTFT_BUCKETS, Histogram
+from radixlang.runtime.dp.replica_states import merge_states
 
 
 def _state(requests: int, prompt: int, cached: int, free: int, ttft: list[float]) -> dict:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from radixlang.runtime.router import ApproxTree, Router
+from radixlang.runtime.dp.router import ApproxTree, Router
 
 
 def _common(a, b) -> int:
@@ -166,7 +166,7 @@ def test_bad_arguments():
 
 
 def test_router_does_not_import_torch():
-    code = "import sys, radixlang.runtime.router; print('torch' in sys.modules)"
+    code = "import sys, radixlang.runtime.dp.router; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -182,7 +182,7 @@ def test_flush_forgets_a_replicas_prefixes():
 
 
 def test_server_args_load_balance_method():
-    from radixlang.runtime.config import ServerArgs
+    from radixlang.runtime.server_args import ServerArgs
     assert ServerArgs().load_balance_method == "cache_aware"
     with pytest.raises(ValueError, match="load_balance_method must be one of cache_aware, round_robin"):
         ServerArgs(load_balance_method="random")

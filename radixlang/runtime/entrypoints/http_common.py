@@ -1,0 +1,88 @@
+"""What the native and the OpenAI routes share: the ``Front`` they serve, body parsing,
+error responses, and turning a request the scheduler refused into a ``RequestError``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import pydantic
+from fastapi.responses import JSONResponse
+
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+from radixlang.runtime.server_args import ServerArgs
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": status}}, status_code=status)
+
+
+class Front(Protocol):
+    """What the app needs from the runtime behind it (the TokenizerManager implements it)."""
+    server_args: ServerArgs
+    tokenizer: Any
+    model_path: str
+    tokenizer_path: str
+    draining: bool  # shutting down: new requests get 503
+
+    def is_healthy(self) -> bool: ...
+
+    async def generate(self, **kwargs: Any) -> dict | list[dict]: ...
+
+    async def stream(self, **kwargs: Any) -> RequestStream:
+        """Submit now (a bad request raises here); iterate for snapshots; ``aclose()`` aborts if unfinished."""
+
+    def abort_request(self, rid: str) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def get_server_info(self) -> dict[str, Any]: ...
+
+
+class GenerateRequest(pydantic.BaseModel):
+    """SGLang's native /generate body; sampling_params are checked by SamplingParams itself."""
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = pydantic.Field(default=None, ge=-1)
+    top_logprobs_num: int = pydantic.Field(default=0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | None = None
+
+
+def model_name(engine: Front) -> str:
+    return engine.server_args.served_model_name or engine.model_path
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(GenerateRequest.model_fields)
+
+
+def named_field(message: str) -> str | None:
+    """The first request field a validation message mentions ("top_p must be ..."), reported as the param."""
+    for word in message.replace(",", " ").replace(":", " ").split():
+        if word in _FIELDS:
+            return word
+    return None
+
+
+def parse_model(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])
+        raise RequestError(f"{where}: {err['msg']}", str(err["loc"][0]) if err["loc"] else None) from None
+
+
+def check_outputs(outs: list[dict[str, Any]], param: str) -> None:
+    """A request the scheduler refused (bad length, token id, grammar) is the caller's error: 400."""
+    for out in outs:
+        reason = out["meta_info"].get("finish_reason") or {}
+        if reason.get("type") == "abort" and reason.get("status_code"):
+            message = reason.get("message", "request refused")
+            raise RequestError(message, reason.get("param") or named_field(message) or param)

@@ -1,0 +1,147 @@
+"""FastAPI app: SGLang-native routes and the OpenAI-compatible subset, over a ``Front``.
+
+The app serves whatever implements ``Front``: in the server that is the
+TokenizerManager, which talks to the scheduler and detokenizer processes over ZMQ.
+Every front call is a coroutine, so the event loop keeps serving while requests run.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import uuid
+from typing import Any, AsyncIterator, Protocol
+
+import orjson
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlang.runtime.entrypoints.http_common import (
+    Front, GenerateRequest, check_outputs, error_response, model_name, named_field, parse_model,
+)
+from radixlang.runtime.entrypoints.metrics import make_registry, render
+from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.managers.tokenizer_manager import RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: Front) -> FastAPI:
+    args = engine.server_args
+    app = FastAPI(title="radixlang")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if engine.draining:
+            return error_response(503, "the server is shutting down")
+        if args.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > args.max_request_body_bytes:
+            return error_response(413, f"request body over {args.max_request_body_bytes} bytes")
+        return await call_next(request)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param or named_field(str(exc)))
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                       "type": "internal_error", "param": None, "code": 500}}, status_code=500)
+
+    if args.enable_metrics:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            info = await engine.get_server_info()
+            body = render(make_registry(lambda: info))
+            return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        out = await engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1})
+        return Response(status_code=200 if out["meta_info"]["finish_reason"]["type"] != "abort" else 503)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
+                "is_generation": True, "chat_template": getattr(engine.tokenizer, "chat_template", None)}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return await engine.get_server_info()
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        ok = await engine.flush_cache()
+        if not ok:
+            return error_response(400, "cannot flush the cache while requests are running")
+        return JSONResponse({"success": True, "message": "cache flushed"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string", "rid")
+        engine.abort_request(rid)
+        return {"success": True}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        req = parse_model(GenerateRequest, await body_of(request))
+        kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
+              "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
+              "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
+        if req.stream:
+            it = await engine.stream(**kw)
+            return StreamingResponse(_sse(request, it), media_type="text/event-stream")
+        out = await engine.generate(**kw)
+        check_outputs(out if isinstance(out, list) else [out], "text" if req.text is not None else "input_ids")
+        return Response(orjson.dumps(out), media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name(engine), "object": "model", "owned_by": "radixlang"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve_completions(engine, await body_of(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve_chat(engine, await body_of(request))
+
+    return app
+
+
+async def _sse(request: Request, it: RequestStream) -> AsyncIterator[bytes]:
+    try:
+        async for item in it:
+            if await request.is_disconnected():
+                return
+            yield b"data: " + orjson.dumps(item) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:  # the client left (or the response was cancelled): abort the request if it still runs
+        await it.aclose()
+
+

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request/response models (``protocol``) and their serving."""

@@ -1,0 +1,281 @@
+"""OpenAI-compatible requests and responses: /v1/completions and /v1/chat/completions.
+
+Requests are pydantic models that forbid unknown fields (as OpenAI does), so a
+bad field is a 400 naming it. ``to_sampling`` maps one onto SGLang sampling
+params; response_format and tool_choice become a json_schema constraint.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixlang.constrained.json_regex import ANY_JSON_MARKER
+from radixlang.runtime.errors import RequestError
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    function: dict[Literal["name"], str]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's json_object + schema
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both routes share; SGLang's extra body fields (regex, json_schema, top_k ...) included."""
+    model_config = _STRICT
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    user: str | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+
+_SGLANG_PASSTHROUGH = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p",
+                       "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
+                       "regex", "json_schema")
+
+
+def to_sampling(req: CompletionRequest | ChatRequest, constraint: str | None) -> dict[str, Any]:
+    """SGLang sampling params for one choice (n is expanded by the caller)."""
+    params: dict[str, Any] = {name: getattr(req, name) for name in _SGLANG_PASSTHROUGH
+                              if getattr(req, name) is not None}
+    max_tokens = getattr(req, "max_completion_tokens", None)
+    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
+    if req.stop is not None:
+        params["stop"] = req.stop
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    if constraint is not None:
+        given = [name for name in ("regex", "json_schema") if name in params]
+        if given:
+            raise RequestError(f"{given[0]} cannot be combined with response_format or tool_choice", given[0])
+        params["json_schema"] = constraint
+    return params
+
+
+
+
+# ---- chat: prompt, constraint, tool calls ---------------------------------------------------------
+def active_tools(req: ChatRequest) -> list[Tool]:
+    if not req.tools or req.tool_choice == "none":
+        return []
+    if isinstance(req.tool_choice, NamedToolChoice):
+        name = req.tool_choice.function.get("name")
+        chosen = [t for t in req.tools if t.function.name == name]
+        if not chosen:
+            raise RequestError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return chosen
+    return list(req.tools)
+
+
+def chat_constraint(req: ChatRequest, tools: list[Tool]) -> str | None:
+    """The json_schema that response_format or a forced tool call imposes, or None."""
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto") and not req.tools:
+        raise RequestError("tool_choice needs tools", "tool_choice")
+    forced = bool(tools) and req.tool_choice not in (None, "auto")
+    fmt = req.response_format
+    if forced and fmt is not None and fmt.type != "text":
+        raise RequestError("response_format cannot be combined with a forced tool_choice", "response_format")
+    if forced:
+        return json.dumps(_tool_call_schema(tools))
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise RequestError("response_format of type json_schema needs a json_schema object", "response_format")
+        schema = fmt.json_schema.schema_
+    else:
+        schema = fmt.schema_
+    return ANY_JSON_MARKER if schema is None else json.dumps(schema)
+
+
+def _tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                 "arguments": t.function.parameters},
+                "required": ["name", "arguments"]} for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool]) -> str:
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        # the template cannot render tools: describe them and the call format in a system message
+        spec = json.dumps([t.function.model_dump(exclude_none=True) for t in tools])
+        note = (f"You may call these functions: {spec}\nTo call one, reply with {_TOOL_CALL_OPEN}"
+                f'{{"name": ..., "arguments": {{...}}}}{_TOOL_CALL_CLOSE}.')
+        messages.insert(0, {"role": "system", "content": note})
+    kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # jinja raises its own errors for message orders a template refuses
+        raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
+
+
+def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+    role, content = m.get("role"), m.get("content")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}",
+                         "messages")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}", "messages")
+        content = "".join(p["text"] for p in content)
+    elif content is None and role == "assistant":
+        content = "".join(f"{_TOOL_CALL_OPEN}{json.dumps(c.get('function'))}{_TOOL_CALL_CLOSE}"
+                          for c in m.get("tool_calls") or [] if isinstance(c, dict))
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_tool_calls(text: str, tools: list[Tool], *, forced: bool) -> list[dict[str, Any]] | None:
+    """OpenAI tool_calls from the output: the whole text when forced, else <tool_call> blocks."""
+    if not tools:
+        return None
+    blobs = [text] if forced else [part.split(_TOOL_CALL_CLOSE, 1)[0]
+                                   for part in text.split(_TOOL_CALL_OPEN)[1:]]
+    names = {t.function.name for t in tools}
+    calls = []
+    for blob in blobs:
+        try:
+            obj = json.loads(blob)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("name") in names:
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
+    return calls or None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def finish_reason(out: dict[str, Any], *, tool_calls: bool = False) -> str | None:
+    reason = out["meta_info"].get("finish_reason")
+    if reason is None:
+        return None
+    if tool_calls:
+        return "tool_calls"
+    return {"length": "length", "stop": "stop"}.get(reason.get("type"), "abort")
+
+
+def usage(outs_per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice); completion tokens per choice."""
+    prompt = sum(group[0]["meta_info"]["prompt_tokens"] for group in outs_per_prompt)
+    cached = sum(group[0]["meta_info"].get("cached_tokens", 0) for group in outs_per_prompt)
+    completion = sum(o["meta_info"].get("completion_tokens", 0) for group in outs_per_prompt for o in group)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_logprobs(tokenizer: Any, out: dict[str, Any], start: int = 0) -> dict[str, Any]:
+    entries = []
+    tops = out["meta_info"].get("output_top_logprobs") or []
+    for k, (lp, tid, _) in enumerate(out["meta_info"].get("output_token_logprobs", [])[start:], start):
+        token = tokenizer.decode([tid])
+        row = tops[k] if k < len(tops) and tops[k] else []
+        entries.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": (t := tokenizer.decode([i])), "logprob": v,
+                                          "bytes": list(t.encode())} for v, i, _ in row]})
+    return {"content": entries}
+
+
+def completion_logprobs(tokenizer: Any, out: dict[str, Any], start: int = 0, offset: int = 0) -> dict[str, Any]:
+    tokens, values, tops, offsets = [], [], [], []
+    rows = out["meta_info"].get("output_top_logprobs") or []
+    for k, (lp, tid, _) in enumerate(out["meta_info"].get("output_token_logprobs", [])[start:], start):
+        token = tokenizer.decode([tid])
+        tokens.append(token)
+        values.append(lp)
+        offsets.append(offset)
+        offset += len(token)
+        row = rows[k] if k < len(rows) and rows[k] else []
+        tops.append({tokenizer.decode([i]): v for v, i, _ in row})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def envelope(*, chat: bool, model: str, rid: str, chunk: bool) -> dict[str, Any]:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}

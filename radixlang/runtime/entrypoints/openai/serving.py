@@ -1,0 +1,185 @@
+"""OpenAI serving: /v1/completions and /v1/chat/completions over a ``Front``, whole or streamed."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlang.runtime.entrypoints.http_common import Front, check_outputs, model_name, named_field, parse_model
+from radixlang.runtime.entrypoints.openai.protocol import (
+    ChatRequest, CompletionRequest, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
+    completion_logprobs, envelope, finish_reason, parse_tool_calls, to_sampling, usage,
+)
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.managers.tokenizer_manager import RequestStream
+
+_MAX_CHOICES = 1024  # prompts x n per HTTP call: bounds the work one request can queue
+_OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                 "input_ids": "prompt", "text": "prompt"}
+
+
+async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
+    req = parse_model(CompletionRequest, body)
+    if req.echo and req.logprobs is not None:
+        raise RequestError("echo with logprobs is not supported", "echo")
+    if req.suffix is not None:
+        raise RequestError("suffix is not supported", "suffix")
+    prompts = _completion_prompts(req.prompt)
+    return await _serve_openai(engine, req, prompts, to_sampling(req, None), chat=False, tools=[],
+                               top_logprobs=req.logprobs)
+
+
+async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
+    req = parse_model(ChatRequest, body)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    tools = active_tools(req)
+    constraint = chat_constraint(req, tools)
+    prompt = chat_prompt(engine.tokenizer, req, tools)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return await _serve_openai(engine, req, [prompt], to_sampling(req, constraint), chat=True,
+                               tools=tools, top_logprobs=top)
+
+
+def _completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
+                        chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
+    try:
+        return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs)
+    except RequestError as e:  # report the field by its OpenAI name
+        param = e.param or named_field(str(e))
+        fallback = "messages" if chat and param in ("prompt", None) else param
+        raise RequestError(str(e), _OPENAI_NAMES.get(param or "", fallback)) from None
+
+
+async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
+                      chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
+    if len(prompts) * req.n > _MAX_CHOICES:
+        raise RequestError(f"prompts x n must be <= {_MAX_CHOICES}, got {len(prompts) * req.n}", "n")
+    key = "input_ids" if prompts and not isinstance(prompts[0], str) else "prompt"
+    lp = {"return_logprob": top_logprobs is not None, "top_logprobs_num": top_logprobs or 0}
+    ctx = _Ctx(engine=engine, model=req.model or model_name(engine), chat=chat, tools=tools,
+               forced=bool(tools) and req.tool_choice not in (None, "auto") if chat else False,
+               logprobs=top_logprobs is not None, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+    param = "messages" if chat else "prompt"
+    if not req.stream:
+        outs = await engine.generate(**{key: prompts}, sampling_params={**params, "n": req.n}, **lp)
+        check_outputs(outs, param)
+        groups = [outs[i * req.n:(i + 1) * req.n] for i in range(len(prompts))]
+        return JSONResponse({**envelope(chat=chat, model=ctx.model, rid=ctx.rid, chunk=False),
+                             "choices": [ctx.choice(i, o) for i, o in enumerate(outs)], "usage": usage(groups)})
+    streams = []
+    try:
+        for p in prompts:
+            for _ in range(req.n):
+                streams.append(await engine.stream(**{key: p}, sampling_params={**params, "n": 1}, **lp))
+    except BaseException:  # a later choice was refused: the earlier ones must not run on
+        for it in streams:
+            await it.aclose()
+        raise
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_openai_sse(engine, ctx, streams, req.n, include_usage=include_usage),
+                             media_type="text/event-stream")
+
+
+class _Ctx:
+    """What building one OpenAI response (or its chunks) needs."""
+
+    def __init__(self, *, engine: Front, model: str, chat: bool, tools: list[Tool], forced: bool, logprobs: bool,
+                 rid: str) -> None:
+        self.engine, self.model, self.chat, self.tools, self.forced = engine, model, chat, tools, forced
+        self.logprobs, self.rid = logprobs, rid
+
+    def choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        calls = parse_tool_calls(out["text"], self.tools, forced=self.forced) if self.chat else None
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(out, tool_calls=bool(calls))}
+        reason = out["meta_info"].get("finish_reason") or {}
+        choice["matched_stop"] = reason.get("matched")
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": None if calls else out["text"],
+                                 **({"tool_calls": calls} if calls else {})}
+            choice["logprobs"] = chat_logprobs(tok, out) if self.logprobs else None
+        else:
+            choice["text"] = out["text"]
+            choice["logprobs"] = completion_logprobs(tok, out) if self.logprobs else None
+        return choice
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> bytes:
+        body = {**envelope(chat=self.chat, model=self.model, rid=self.rid, chunk=True), "choices": choices}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def delta(self, index: int, out: dict[str, Any], sent_text: int, sent_tokens: int, *,
+              first: bool) -> dict[str, Any]:
+        """The chunk choice for what `out` adds beyond sent_text characters and sent_tokens logprobs."""
+        tok = self.engine.tokenizer
+        text = out["text"][sent_text:]
+        done = out["meta_info"].get("finish_reason") is not None
+        choice: dict[str, Any] = {"index": index, "finish_reason": None}
+        if self.chat:
+            calls = parse_tool_calls(out["text"], self.tools, forced=self.forced) if done else None
+            if self.tools:  # a tool call is only known at the end: the text was held back until now
+                text = out["text"] if done and not calls else ""
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+            elif text:
+                delta["content"] = text
+            choice["delta"] = delta
+            choice["logprobs"] = chat_logprobs(tok, out, sent_tokens) if self.logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = completion_logprobs(tok, out, sent_tokens, sent_text) if self.logprobs else None
+        if done:
+            choice["finish_reason"] = finish_reason(out, tool_calls=bool(self.chat and calls))
+        return choice
+
+
+async def _openai_sse(engine: Front, ctx: _Ctx, streams: list, n: int, *, include_usage: bool) -> AsyncIterator[bytes]:
+    """Merge the choices' streams into OpenAI chunks; abort every unfinished choice if the client leaves."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(i, it, queue)) for i, it in enumerate(streams)]
+    finals: dict[int, dict[str, Any]] = {}
+    sent = [(0, 0)] * len(streams)
+    started: set[int] = set()
+    try:
+        while len(finals) < len(streams):
+            index, out = await queue.get()
+            if out["meta_info"].get("finish_reason") is not None:
+                reason = out["meta_info"]["finish_reason"]
+                if reason.get("type") == "abort" and reason.get("status_code"):
+                    yield b"data: " + orjson.dumps({"error": {"message": reason.get("message"),
+                                                              "type": "invalid_request_error", "param": None,
+                                                              "code": reason["status_code"]}}) + b"\n\n"
+                finals[index] = out
+            yield ctx.chunk([ctx.delta(index, out, *sent[index], first=index not in started)])
+            started.add(index)
+            sent[index] = (len(out["text"]), len(out["meta_info"].get("output_token_logprobs") or []))
+        if include_usage:
+            groups = [[finals[i * n + j] for j in range(n)] for i in range(len(streams) // n)]
+            yield ctx.chunk([], usage(groups))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for it in streams:  # aborts every choice that has not finished
+            await it.aclose()
+
+
+async def _pump(index: int, it: RequestStream, queue: asyncio.Queue) -> None:
+    async for item in it:
+        await queue.put((index, item))

@@ -1,0 +1,70 @@
+"""OutputCollector: gathers each step's per-request outputs into one BatchTokenIDOut."""
+from __future__ import annotations
+
+from radixlang.runtime.managers.schedule_batch import Req
+from radixlang.runtime.managers.io_struct import BatchTokenIDOut
+
+
+class OutputCollector:
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[Req | None, bool, dict | None]] = {}
+
+    def add(self, req: Req, *, final: bool) -> None:
+        self._pending[req.rid] = (req, final, None)
+
+    def add_error(self, rid: str, message: str, *, prompt_tokens: int, param: str | None = None) -> None:
+        """A request refused before it ran (the caller's error: a 400 naming ``param`` over HTTP)."""
+        self._pending[rid] = (None, True, {"message": message, "prompt_tokens": prompt_tokens, "param": param})
+
+    def flush(self, tokenizer) -> BatchTokenIDOut | None:
+        if not self._pending:
+            return None
+        out = BatchTokenIDOut(rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
+                              cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
+                              no_stop_trim=[], stop_strs=[])
+        for rid, (req, final, err) in self._pending.items():
+            out.rids.append(rid)
+            if req is None:
+                out.output_ids.append([])
+                out.finished_reasons.append({"type": "abort", "message": err["message"], "status_code": 400,
+                                             **({"param": err["param"]} if err["param"] else {})})
+                out.prompt_tokens.append(err["prompt_tokens"])
+                out.completion_tokens.append(0)
+                out.cached_tokens.append(0)
+                out.skip_special_tokens.append(True)
+                out.spaces_between_special_tokens.append(True)
+                out.no_stop_trim.append(False)
+                out.stop_strs.append([])
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
+                out.input_token_logprobs.append(None)
+                out.input_top_logprobs.append(None)
+                out.extra_meta.append({})
+                continue
+            p = req.sampling_params
+            start = req.sent_output_len
+            out.output_ids.append(req.output_ids[start:])
+            out.finished_reasons.append(req.finished_reason if final else None)
+            out.prompt_tokens.append(req.prompt_len)
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.skip_special_tokens.append(p.skip_special_tokens)
+            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
+            out.no_stop_trim.append(p.no_stop_trim)
+            out.stop_strs.append(list(p.stop))
+            if req.return_logprob:
+                out.output_token_logprobs.append(req.output_token_logprobs[start:])
+                out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)
+                first = not req.sent_input_logprobs
+                out.input_token_logprobs.append(req.input_token_logprobs if first else [])
+                out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
+                req.sent_input_logprobs = True
+            else:
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
+                out.input_token_logprobs.append(None)
+                out.input_top_logprobs.append(None)
+            out.extra_meta.append({"jump_forward_tokens": req.jump_forward_tokens} if req.jump_forward_tokens else {})
+            req.sent_output_len = len(req.output_ids)
+        self._pending.clear()
+        return out

@@ -1,0 +1,34 @@
+"""When a request is done: length, EOS / stop token ids, stop strings."""
+from __future__ import annotations
+
+from typing import Any
+
+from radixlang.runtime.managers.schedule_batch import Req
+
+
+def check_finished(req: Req, tokenizer: Any, new_tokens: int = 1) -> dict[str, Any] | None:
+    """Return SGLang's finish-reason dict after the newest ``new_tokens`` tokens, or None to continue."""
+    params = req.sampling_params
+    if len(req.output_ids) >= params.min_new_tokens:
+        for tok in req.output_ids[-new_tokens:]:
+            if tok in req.eos_token_ids or tok in params.stop_token_ids:
+                return {"type": "stop", "matched": tok}
+        if params.stop:
+            matched = _match_stop_str(req, tokenizer, new_tokens)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+    if len(req.output_ids) >= params.max_new_tokens:
+        return {"type": "length", "length": params.max_new_tokens}
+    return None
+
+
+def _match_stop_str(req: Req, tokenizer: Any, new_tokens: int) -> str | None:
+    # Decode a tail window long enough to hold any stop string (every token yields >= 0 chars,
+    # almost always >= 1), plus the previous token so a string spanning the boundary is seen.
+    params = req.sampling_params
+    window = max(len(s) for s in params.stop) + 1 + new_tokens
+    tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+    for s in params.stop:
+        if s in tail:
+            return s
+    return None

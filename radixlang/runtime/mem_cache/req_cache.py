@@ -1,0 +1,106 @@
+"""How the scheduler shares KV between requests: through the radix tree, or not at all.
+
+``ReqCache`` is the one protocol; ``TreeReqCache`` (tree_req_cache.py) and ``NoReqCache``
+implement it, so the scheduler has no ``if radix_disabled`` branches. They own the frees of
+slots a request no longer needs; the tree itself never sees requests or pools. A request is
+seen only through ``CachedReq``, the few fields this bookkeeping reads and writes.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+class CachedReq(Protocol):
+    """What KV bookkeeping needs of a request (the scheduler's ``Req`` has these)."""
+    req_pool_idx: int | None
+    kv_len: int  # tokens of fill_ids whose KV is in the pool
+    prefix_indices: torch.Tensor  # [n] int64 KV slots of the matched prefix
+    last_node: Any  # the node locked for this request (None without a tree)
+
+    @property
+    def fill_ids(self) -> list[int]: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+
+class ReqCache(Protocol):
+    """KV bookkeeping between the scheduler and the prefix cache (if any).
+
+    ``match`` returns the cached prefix's KV slots and the node to ``lock``; ``cache_unfinished``
+    hands a request's computed tokens to the cache (re-pointing its row at shared slots);
+    ``release`` frees what the request still owns and its pool slot; ``evict`` frees up to
+    ``num_tokens`` unlocked cached slots and returns how many it freed.
+    """
+
+    def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, Any]: ...
+    def prefix_len(self, req: CachedReq) -> int: ...
+    def should_defer(self, req: CachedReq, batch: Sequence[CachedReq]) -> bool: ...
+    def dfs_weight_order(self, waiting: list) -> list: ...
+    def lock(self, node: Any) -> None: ...
+    def unlock(self, node: Any) -> None: ...
+    def cache_unfinished(self, req: CachedReq) -> None: ...
+    def release(self, req: CachedReq) -> None: ...
+    def evict(self, num_tokens: int) -> int: ...
+    def evictable_size(self) -> int: ...
+    def protected_size(self) -> int: ...
+    def cached_size(self) -> int: ...
+    def reset(self) -> None: ...
+
+
+class NoReqCache:
+    """--disable-radix-cache: every request computes its whole prompt; KV is freed at finish."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+
+    def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, object]:
+        return torch.empty(0, dtype=torch.int64), None
+
+    def prefix_len(self, req: CachedReq) -> int:
+        return 0
+
+    def should_defer(self, req: CachedReq, batch: Sequence[CachedReq]) -> bool:
+        return False
+
+    def dfs_weight_order(self, waiting: list) -> list:
+        return list(waiting)
+
+    def lock(self, node: object) -> None:
+        pass
+
+    def unlock(self, node: object) -> None:
+        pass
+
+    def cache_unfinished(self, req: CachedReq) -> None:
+        pass
+
+    def release(self, req: CachedReq) -> None:
+        """Free everything the request holds (finish, abort or retraction)."""
+        assert req.req_pool_idx is not None
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)
+        self.kv_pool.free(kv)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_len = 0
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def cached_size(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""TreeReqCache: the scheduler's bookkeeping around the radix tree.
+
+A running request's KV row is [prefix owned by the tree (locked) | slots it owns].
+``cache_unfinished`` moves its computed tokens into the tree and re-points the
+row at the tree's slots; ``release`` frees only the slots the request still owns.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixlang.radix_cache import RadixCache, TreeNode
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.mem_cache.req_cache import CachedReq
+
+
+class TreeReqCache:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, *, page_size: int = 1) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.tree = RadixCache(page_size=page_size)
+
+    def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, TreeNode]:
+        kv, node = self.tree.match_prefix(req.fill_ids[:max_len])
+        return kv, node
+
+    def prefix_len(self, req: CachedReq) -> int:
+        return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).kv_indices.numel())
+
+    def should_defer(self, req: CachedReq, batch: list[CachedReq], min_gain: int = 32) -> bool:
+        """True when a request already in this prefill batch will cache a longer prefix of req: wait a step."""
+        have = self.prefix_len(req)
+        ids = req.fill_ids
+        for other in batch:
+            o = other.fill_ids
+            n = min(len(ids), len(o)) - 1
+            i = have
+            while i < n and ids[i] == o[i]:
+                i += 1
+            if i >= have + min_gain:
+                return True
+        return False
+
+    def dfs_weight_order(self, waiting: list[CachedReq]) -> list[CachedReq]:
+        """SGLang's dfs-weight: walk the tree, heaviest subtree (most waiting requests) first."""
+        at: dict[int, list[CachedReq]] = {}
+        nodes: dict[int, TreeNode] = {}
+        for req in waiting:
+            node = self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).last_node
+            at.setdefault(id(node), []).append(req)
+            nodes[id(node)] = node
+        weight: dict[int, int] = {}
+        for key, reqs in at.items():
+            node = nodes[key]
+            while node is not None:
+                weight[id(node)] = weight.get(id(node), 0) + len(reqs)
+                node = node.parent
+        order: list[CachedReq] = []
+        stack = [self.tree.root]
+        while stack:
+            node = stack.pop()
+            order.extend(at.get(id(node), []))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
+        return order
+
+    def lock(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.tree.dec_lock_ref(node)
+
+    def cache_unfinished(self, req: CachedReq) -> None:
+        """Insert the request's computed tokens; it keeps running on the tree's copy."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        kv_len = req.kv_len
+        tokens = req.fill_ids[:kv_len]
+        kv = row[:kv_len].to(torch.int64)
+        own_start = int(req.prefix_indices.numel())
+        matched = self.tree.insert(tokens, kv)
+        if matched > own_start:  # someone else cached these positions meanwhile: ours are duplicates
+            self.kv_pool.free(kv[own_start:matched])
+        new_kv, new_node = self.tree.match_prefix(tokens)
+        n = int(new_kv.numel())
+        row[own_start:n] = new_kv[own_start:].to(torch.int32)
+        self.tree.inc_lock_ref(new_node)
+        self.unlock(req.last_node)
+        req.prefix_indices, req.last_node = new_kv, new_node
+
+    def release(self, req: CachedReq) -> None:
+        """Free the slots the request owns beyond its tree prefix, and its request slot (lock already dropped)."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        own_start = int(req.prefix_indices.numel())
+        self.kv_pool.free(row[own_start:req.kv_len].to(torch.int64))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_len = 0
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node = None
+
+    def evict(self, num_tokens: int) -> int:
+        return self.tree.evict(num_tokens, self.kv_pool.free)
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree.protected_size()
+
+    def cached_size(self) -> int:
+        return self.tree.evictable_size() + self.tree.protected_size()
+
+    def reset(self) -> None:
+        assert self.tree.protected_size() == 0, "reset while requests hold the tree"
+        self.tree.evict(self.tree.evictable_size(), self.kv_pool.free)
+        self.tree.reset()

@@ -1,0 +1,111 @@
+"""The tensor-parallel process group and the step message rank 0 broadcasts to its followers.
+
+One torch.distributed group spans the ranks (gloo on the CPU, nccl on CUDA). Messages are int64
+tensors only, never pickled objects: a fixed-size header saying what follows, then one payload
+tensor whose length the header fixes. Every rank makes the same calls in the same order.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from radixlang.kernels.attention.base import ForwardMode
+from radixlang.runtime.model_executor.forward_batch import StepInputs
+
+# an idle server sends nothing for hours: a follower waiting for the next step must not time out
+_COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
+
+MSG_STOP, MSG_STEP = 0, 1
+HEADER_LEN = 6  # [kind, forward mode, batch size, num tokens, num logit rows, num req_to_token entries]
+
+
+class DistComm:
+    """A TPComm over the default torch.distributed group of this process."""
+
+    def __init__(self, rank: int, size: int, device: str) -> None:
+        self.rank, self.size = rank, size
+        # nccl moves device tensors only; gloo moves host tensors
+        self.comm_device = "cuda" if device == "cuda" else "cpu"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank (the others pass a list of the same length)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_group(*, rank: int, size: int, init_addr: str, device: str) -> DistComm:
+    """Join the tensor-parallel group at ``init_addr`` (host:port of rank 0); blocks until all ranks join."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
+                           "engine per process (shut the other one down first)")
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
+                            timeout=_COLLECTIVE_TIMEOUT)
+    return DistComm(rank, size, device)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the step message ----------------------------------------------------------------------------
+def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) -> None:
+    """Rank 0: broadcast one forward's inputs and the req_to_token entries the batch reads."""
+    seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.int64)
+    # the KV slots of every token of every request in the batch, up to its length after this step: whole
+    # rows, not just the new slots, because rank 0 rewrites rows between steps (a radix-cache insert points
+    # a running request at the tree's copy of its prefix and frees its duplicate slots for reuse)
+    r2t = torch.cat([req_to_token[i, :n] for i, n in zip(inputs.req_pool_indices.tolist(), inputs.seq_lens)])
+    header = [MSG_STEP, int(inputs.mode), len(inputs.seq_lens), int(inputs.input_ids.numel()),
+              int(inputs.logit_rows.numel()), int(r2t.numel())]
+    payload = torch.cat([inputs.input_ids, inputs.positions, inputs.req_pool_indices, seq_lens,
+                         torch.tensor(inputs.prefix_lens, dtype=torch.int64),
+                         torch.tensor(inputs.extend_lens, dtype=torch.int64),
+                         inputs.out_cache_loc.to(torch.int64), inputs.logit_rows.to(torch.int64),
+                         r2t.to(torch.int64).cpu()])
+    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=comm.comm_device), src=0)
+    dist.broadcast(payload.to(comm.comm_device), src=0)
+
+
+def send_stop(comm: DistComm) -> None:
+    header = [MSG_STOP] + [0] * (HEADER_LEN - 1)
+    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=comm.comm_device), src=0)
+
+
+def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
+    """Followers: the next step's inputs and req_to_token entries [sum(seq_lens)] int64; None at stop."""
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.comm_device)
+    dist.broadcast(header, src=0)
+    kind, mode, bs, num_tokens, num_rows, num_r2t = header.tolist()
+    if kind == MSG_STOP:
+        return None
+    assert kind == MSG_STEP, f"unknown tensor-parallel message kind {kind}"
+    sizes = [num_tokens, num_tokens, bs, bs, bs, bs, num_tokens, num_rows, num_r2t]
+    payload = torch.empty(sum(sizes), dtype=torch.int64, device=comm.comm_device)
+    dist.broadcast(payload, src=0)
+    (input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, out_cache_loc, logit_rows,
+     r2t) = payload.cpu().split(sizes)
+    inputs = StepInputs(mode=ForwardMode(mode), input_ids=input_ids, positions=positions,
+                        req_pool_indices=req_pool_indices, seq_lens=seq_lens.tolist(),
+                        prefix_lens=prefix_lens.tolist(), extend_lens=extend_lens.tolist(),
+                        out_cache_loc=out_cache_loc, logit_rows=logit_rows)
+    return inputs, r2t

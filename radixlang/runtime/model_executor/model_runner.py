@@ -1,0 +1,178 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward per step.
+
+With ``tp_size > 1`` the runner built by the scheduler is rank 0: it starts the follower ranks
+(model_executor/tp_leader.py), holds its own slice of the model, and broadcasts every step's inputs before
+running the forward itself. Followers build the same runner with their ``tp`` group and run the
+steps they receive.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
+from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.models.llama import check_tensor_parallel
+from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
+from radixlang.runtime.models.packed import pack_model_
+from radixlang.runtime.models.quant import quantize_model_
+from radixlang.runtime.model_executor.tp_leader import TPLeader, exit_with_parent, ranks_per_node
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _create_attn_backend(name: str, **kw):
+    if name == "torch":
+        return TorchNativeAttnBackend(**kw)
+    try:
+        from radixlang.kernels.attention import create_attention_backend
+    except ImportError as e:
+        raise ValueError(f"attention backend {name!r} is not available: {e}") from e
+    return create_attention_backend(name, **kw)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, *, tp: DistComm | None = None) -> None:
+        """``tp``: a follower's group; rank 0 (``tp`` None, ``args.tp_size > 1``) starts the followers itself."""
+        self.args = args
+        self.device = args.device
+        self.dtype = _DTYPES[args.dtype]
+        # the CPU keeps KV and attention in float32 whatever the weights: torch's CPU attention in
+        # bfloat16 ran ~6x slower than in float32 here (no AMX), and the KV gather is not the bottleneck
+        self.kv_dtype = torch.float32 if self.device == "cpu" else self.dtype
+        self.tp_leader = None
+        if args.tp_size > 1 and tp is None:  # rank 0: refuse a bad split before starting any process
+            check_tensor_parallel(read_config(resolve_model_dir(args.model_path, args.load_format)), args.tp_size)
+            self.tp_leader = TPLeader.start(args, follower_main)
+        self.tp = tp if self.tp_leader is None else self.tp_leader.comm
+        self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
+        try:
+            self._build(args)
+        except BaseException:
+            if self.tp_leader is not None:
+                self.tp_leader.abort()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
+        loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
+                            seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp)
+        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        if args.quantization:
+            quantize_model_(self.model, args.quantization, self.device)
+        elif self.device == "cpu" and not args.disable_weight_packing:
+            packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
+            logger.info("packed %d linear layers into oneDNN's layout", packed)
+        if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
+            logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
+        self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
+        self.vocab_size = int(self.hf_config.vocab_size)
+        model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 4096) or 4096)
+        self.context_len = min(args.context_length or model_ctx, model_ctx)
+        self.max_total_tokens = args.max_total_tokens or self._auto_kv_tokens()
+        self.max_running = min(args.max_running_requests, self.max_total_tokens)
+        if self.tp is not None:  # every rank sizes its pools like rank 0: same slots, its own heads
+            self.max_total_tokens, self.max_running, self.context_len = self.tp.broadcast_ints(
+                [self.max_total_tokens, self.max_running, self.context_len])
+        self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
+        self.kv_pool = TokenToKVPool(self.max_total_tokens, num_layers=self.hf_config.num_hidden_layers,
+                                     num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+                                     dtype=self.kv_dtype, device=self.device)
+        self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
+                                                 num_kv_heads=self.model.num_kv_heads,
+                                                 head_dim=self.model.head_dim, device=self.device, dtype=self.dtype)
+        logger.info("model %s: %d layers, kv pool %d tokens, context %d, attention %s%s",
+                    self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens, self.context_len,
+                    args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
+
+    def _auto_kv_tokens(self) -> int:
+        per_token = TokenToKVPool.bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
+                                                  num_kv_heads=self.model.num_kv_heads,
+                                                  head_dim=self.model.head_dim, dtype=self.kv_dtype)
+        if self.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+        else:
+            free = _host_available_bytes()
+        tokens = int(free * self.args.mem_fraction_static) // per_token
+        return max(256, min(tokens, 1 << 20))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one forward pass; return logits [len(inputs.logit_rows), vocab] float32 on the host."""
+        if self.tp_leader is None:
+            return self.run_step(inputs)
+        with self._tp_lock:
+            send_step(self.tp, inputs, self.req_to_token_pool.req_to_token)
+            return self.run_step(inputs)
+
+    def run_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the host."""
+        dev = self.device
+        fb = ForwardBatch(
+            forward_mode=inputs.mode, batch_size=len(inputs.seq_lens), input_ids=inputs.input_ids.to(dev),
+            positions=inputs.positions.to(dev), req_pool_indices=inputs.req_pool_indices.to(dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=inputs.seq_lens,
+            extend_prefix_lens_cpu=inputs.prefix_lens, extend_seq_lens_cpu=inputs.extend_lens,
+            out_cache_loc=inputs.out_cache_loc.to(dev), req_to_token=self.req_to_token_pool.req_to_token,
+            token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        self.attn_backend.init_forward_metadata(fb)
+        rows = inputs.logit_rows
+        # a decode step (or a prompt with every token's logprobs) wants every row: no gather then
+        every = len(rows) == len(inputs.input_ids) and torch.equal(rows, torch.arange(len(rows)))
+        with torch.inference_mode():
+            hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
+            return self.model.compute_logits(hidden).cpu()  # [len(rows), vocab]
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the follower ranks and leave the group. Idempotent; a no-op without TP."""
+        leader, self.tp_leader = self.tp_leader, None
+        if leader is None:
+            return
+        if self._tp_lock.acquire(timeout=5.0):  # a step in flight would interleave with the stop message
+            try:
+                send_stop(self.tp)
+            finally:
+                self._tp_lock.release()
+        leader.stop()
+
+
+def follower_main(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) -> None:
+    """A follower rank's process: join the group, build the runner, run steps until the stop message."""
+    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s tp{rank} %(name)s] %(message)s")
+    exit_with_parent(parent_pid)
+    local_rank = rank % ranks_per_node(args)
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    comm = init_group(rank=rank, size=args.tp_size, init_addr=init_addr, device=args.device)
+    runner = ModelRunner(args, tp=comm)
+    pool = runner.req_to_token_pool.req_to_token
+    steps = 0
+    while (msg := recv_step(comm)) is not None:
+        inputs, r2t = msg
+        # rank 0's req_to_token entries for the rows this batch reads: [req, 0 .. seq_len)
+        lens = torch.tensor(inputs.seq_lens)
+        rows = torch.repeat_interleave(inputs.req_pool_indices, lens)
+        cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        pool[rows.to(pool.device), cols.to(pool.device)] = r2t.to(device=pool.device, dtype=pool.dtype)
+        runner.run_step(inputs)
+        steps += 1
+    logger.info("tp rank %d stopping after %d steps", rank, steps)
+    comm.close()
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
