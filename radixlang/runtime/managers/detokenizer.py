@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlang.runtime.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from radixlang.runtime.managers.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
 
 _REPLACEMENT = "\ufffd"
 
@@ -98,8 +98,8 @@ class DetokenizerManager:
             if finished is None:
                 visible = len(text) - stop_holdback(text, stops) if stops else len(text)
             else:
-                if stops and not out.no_stop_trim[i] and finished.get("type") == "stop" \
-                        and isinstance(finished.get("matched"), str):
+                reason = FinishReason.from_dict(finished)
+                if stops and not out.no_stop_trim[i] and reason.kind == "stop" and isinstance(reason.matched, str):
                     text = trim_at_stop(text, stops, start=dec.state.sent_len)
                 visible = len(text)
                 del self.decoders[rid]

@@ -9,6 +9,7 @@ import torch
 
 from radixlang.constrained import Grammar
 from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from radixlang.runtime.managers.io_struct import FinishReason
 from radixlang.runtime.managers.schedule_batch import Req
 from radixlang.runtime.managers.stop import check_finished
 
@@ -21,24 +22,26 @@ def apply_grammar_masks(reqs: list[Req], logits: torch.Tensor) -> None:
         return
     mask = allocate_token_bitmask(len(reqs), logits.shape[-1], logits.device)
     for i in rows:
-        reqs[i].grammar.allowed_token_mask(mask[i])
+        grammar = reqs[i].grammar
+        if grammar is not None:
+            grammar.allowed_token_mask(mask[i])
     apply_token_bitmask_inplace(logits, mask, rows)
 
 
-def advance_grammar(req: Req, tok: int) -> dict[str, Any] | None:
+def advance_grammar(req: Req, tok: int) -> FinishReason | None:
     """Advance the request's grammar by its new token; a finish reason when the grammar ends it."""
     g = req.grammar
     if g is None:
         return None
     if not g.accept_token(tok):  # cannot happen for a token sampled under the mask
         logger.error("request %s sampled token %d outside its grammar", req.rid, tok)
-        return {"type": "abort", "message": f"internal error: token {tok} outside the grammar"}
+        return FinishReason.abort(f"internal error: token {tok} outside the grammar")
     if g.is_terminated():
-        return {"type": "stop", "matched": tok}
+        return FinishReason.stop(tok)
     return None
 
 
-def jump_forward(req: Req, before: Grammar, tokenizer: Any) -> tuple[dict[str, Any] | None, int]:
+def jump_forward(req: Req, before: Grammar, tokenizer: Any) -> tuple[FinishReason | None, int]:
     """Append the text the grammar forces after the newest token: (a finish reason if that ends it,
     the number of tokens added).
 
@@ -48,8 +51,10 @@ def jump_forward(req: Req, before: Grammar, tokenizer: Any) -> tuple[dict[str, A
     get their KV in the next step, which then runs as an EXTEND for this request.
     """
     g = req.grammar
+    if g is None:
+        raise RuntimeError(f"jump-forward for request {req.rid}, which has no grammar")
     if g.is_complete():  # only EOS could follow: end now instead of spending a step to sample it
-        return {"type": "stop", "matched": None}, 0
+        return FinishReason.stop(None), 0
     forced = g.try_jump_forward()
     room = req.sampling_params.max_new_tokens - len(req.output_ids)
     if not forced or room <= 0:
@@ -77,7 +82,7 @@ def jump_forward(req: Req, before: Grammar, tokenizer: Any) -> tuple[dict[str, A
     req.grammar = jumped
     req.jump_forward_tokens += added
     if jumped.is_complete():
-        return {"type": "stop", "matched": None}, added
+        return FinishReason.stop(None), added
     return check_finished(req, tokenizer, new_tokens=added + 1), added
 
 

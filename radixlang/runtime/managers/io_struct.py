@@ -7,9 +7,65 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
+
+FinishKind = Literal["stop", "length", "abort"]
+# a FinishReason as it travels (BatchTokenIDOut, BatchStrOut) and as meta_info["finish_reason"] shows it
+FinishReasonDict = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishReason:
+    """Why a request ended; ``to_dict`` is SGLang's wire shape, the only form that leaves the scheduler.
+
+    stop: ``matched`` is the token id or stop string that ended it (None when a grammar completed);
+    length: ``length`` is the max_new_tokens reached; abort: ``message``, and for a request refused
+    as the caller's error ``status_code`` (400) and the offending field ``param``.
+    """
+    kind: FinishKind
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    param: str | None = None
+
+    @classmethod
+    def stop(cls, matched: int | str | None) -> FinishReason:
+        return cls(kind="stop", matched=matched)
+
+    @classmethod
+    def max_tokens(cls, length: int) -> FinishReason:
+        return cls(kind="length", length=length)
+
+    @classmethod
+    def abort(cls, message: str, *, status_code: int | None = None, param: str | None = None) -> FinishReason:
+        return cls(kind="abort", message=message, status_code=status_code, param=param)
+
+    @property
+    def is_abort(self) -> bool:
+        return self.kind == "abort"
+
+    def to_dict(self) -> FinishReasonDict:
+        if self.kind == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.kind == "length":
+            return {"type": "length", "length": self.length}
+        out: FinishReasonDict = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        if self.param is not None:
+            out["param"] = self.param
+        return out
+
+    @classmethod
+    def from_dict(cls, data: FinishReasonDict) -> FinishReason:
+        kind = data.get("type")
+        if kind not in ("stop", "length", "abort"):
+            raise ValueError(f"finish reason type must be stop, length or abort, got {kind!r}")
+        return cls(kind=kind, matched=data.get("matched"), length=data.get("length"), message=data.get("message"),
+                   status_code=data.get("status_code"), param=data.get("param"))
 
 
 @dataclass(kw_only=True)
@@ -83,13 +139,13 @@ class BatchTokenIDOut:
     """Scheduler -> detokenizer: for each request that produced something this step.
 
     ``output_ids[i]`` are the token ids new since the previous message for that rid;
-    ``finished_reasons[i]`` is None while the request runs, else SGLang's shape
-    ``{"type": "length"|"stop"|"abort", "matched": int|str|None, ...}``.
+    ``finished_reasons[i]`` is None while the request runs, else ``FinishReason.to_dict()``:
+    SGLang's shape ``{"type": "length"|"stop"|"abort", "matched": int|str|None, ...}``.
     Logprob lists follow the same "new since last message" rule.
     """
     rids: list[str]
     output_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
+    finished_reasons: list[FinishReasonDict | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -112,7 +168,7 @@ class BatchStrOut:
     rids: list[str]
     text_deltas: list[str]
     output_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
+    finished_reasons: list[FinishReasonDict | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -134,7 +190,8 @@ _MESSAGE_TYPES: dict[str, type] = {
 def encode(msg: Any) -> bytes:
     """Serialize one struct with its type tag (orjson; never pickle)."""
     name = type(msg).__name__
-    assert name in _MESSAGE_TYPES, f"not a message type: {name}"
+    if name not in _MESSAGE_TYPES:
+        raise TypeError(f"not a message type: {name}")
     return orjson.dumps({"t": name, "d": dataclasses.asdict(msg)})
 
 

@@ -1,12 +1,15 @@
 """Req (one request's state) and ScheduleBatch (what the scheduler runs in one step)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from radixlang.constrained import CompiledGrammar, Grammar
 from radixlang.kernels.attention.base import ForwardMode
+from radixlang.runtime.managers.io_struct import FinishReason
 from radixlang.runtime.model_executor.forward_batch import StepInputs
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
@@ -29,15 +32,15 @@ class Req:
     kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
     # output state
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     sent_output_len: int = 0  # output ids already sent to the detokenizer
     output_token_logprobs: list[list[float | int]] = field(default_factory=list)
     output_top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
     input_token_logprobs: list[list[float | int | None]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     sent_input_logprobs: bool = False
-    grammar: Any = None
-    grammar_future: Any = None
+    grammar: Grammar | None = None  # set once grammar_future has completed
+    grammar_future: Future[CompiledGrammar] | None = None  # a constrained request's grammar, compiling
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
     is_retracted: bool = False
     # latency bookkeeping (time.monotonic seconds)

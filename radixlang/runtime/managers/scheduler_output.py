@@ -1,20 +1,28 @@
 """OutputCollector: gathers each step's per-request outputs into one BatchTokenIDOut."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from radixlang.runtime.managers.io_struct import BatchTokenIDOut, FinishReason
 from radixlang.runtime.managers.schedule_batch import Req
-from radixlang.runtime.managers.io_struct import BatchTokenIDOut
+
+
+class _Refusal(NamedTuple):
+    reason: FinishReason
+    prompt_tokens: int
 
 
 class OutputCollector:
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[Req | None, bool, dict | None]] = {}
+        self._pending: dict[str, tuple[Req | None, bool, _Refusal | None]] = {}
 
     def add(self, req: Req, *, final: bool) -> None:
         self._pending[req.rid] = (req, final, None)
 
     def add_error(self, rid: str, message: str, *, prompt_tokens: int, param: str | None = None) -> None:
         """A request refused before it ran (the caller's error: a 400 naming ``param`` over HTTP)."""
-        self._pending[rid] = (None, True, {"message": message, "prompt_tokens": prompt_tokens, "param": param})
+        reason = FinishReason.abort(message, status_code=400, param=param or None)
+        self._pending[rid] = (None, True, _Refusal(reason, prompt_tokens))
 
     def flush(self, tokenizer) -> BatchTokenIDOut | None:
         if not self._pending:
@@ -25,10 +33,11 @@ class OutputCollector:
         for rid, (req, final, err) in self._pending.items():
             out.rids.append(rid)
             if req is None:
+                if err is None:
+                    raise RuntimeError(f"output for request {rid} has neither a request nor a refusal")
                 out.output_ids.append([])
-                out.finished_reasons.append({"type": "abort", "message": err["message"], "status_code": 400,
-                                             **({"param": err["param"]} if err["param"] else {})})
-                out.prompt_tokens.append(err["prompt_tokens"])
+                out.finished_reasons.append(err.reason.to_dict())
+                out.prompt_tokens.append(err.prompt_tokens)
                 out.completion_tokens.append(0)
                 out.cached_tokens.append(0)
                 out.skip_special_tokens.append(True)
@@ -44,7 +53,8 @@ class OutputCollector:
             p = req.sampling_params
             start = req.sent_output_len
             out.output_ids.append(req.output_ids[start:])
-            out.finished_reasons.append(req.finished_reason if final else None)
+            reason = req.finished_reason if final else None
+            out.finished_reasons.append(reason.to_dict() if reason is not None else None)
             out.prompt_tokens.append(req.prompt_len)
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)

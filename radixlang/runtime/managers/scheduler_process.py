@@ -136,7 +136,7 @@ class SchedulerLoop:
         elif isinstance(msg, CheckMemoryLeakReq):
             try:
                 sched.check_memory_leak()
-            except AssertionError as e:
+            except (RuntimeError, AssertionError) as e:  # the leak check raises RuntimeError
                 return CheckMemoryLeakOut(ok=False, message=str(e), rid=msg.rid)
             return CheckMemoryLeakOut(ok=True, rid=msg.rid)
         else:

@@ -50,7 +50,8 @@ class SchedulerThread:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            raise RuntimeError("the scheduler thread signalled built without a scheduler or an error")
         return self.scheduler
 
     def stop(self) -> None:
@@ -103,7 +104,8 @@ class SchedulerThread:
 
     def _loop(self) -> None:
         sched = self.scheduler
-        assert sched is not None and self.detokenizer is not None
+        if sched is None or self.detokenizer is None:
+            raise RuntimeError("the scheduler loop started before the scheduler was built")
         while not self._stop:
             try:
                 self._drain_inbox()

@@ -3,22 +3,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixlang.runtime.managers.io_struct import FinishReason
 from radixlang.runtime.managers.schedule_batch import Req
 
 
-def check_finished(req: Req, tokenizer: Any, new_tokens: int = 1) -> dict[str, Any] | None:
-    """Return SGLang's finish-reason dict after the newest ``new_tokens`` tokens, or None to continue."""
+def check_finished(req: Req, tokenizer: Any, new_tokens: int = 1) -> FinishReason | None:
+    """Why the request ends after its newest ``new_tokens`` tokens, or None to continue."""
     params = req.sampling_params
     if len(req.output_ids) >= params.min_new_tokens:
         for tok in req.output_ids[-new_tokens:]:
             if tok in req.eos_token_ids or tok in params.stop_token_ids:
-                return {"type": "stop", "matched": tok}
+                return FinishReason.stop(tok)
         if params.stop:
             matched = _match_stop_str(req, tokenizer, new_tokens)
             if matched is not None:
-                return {"type": "stop", "matched": matched}
+                return FinishReason.stop(matched)
     if len(req.output_ids) >= params.max_new_tokens:
-        return {"type": "length", "length": params.max_new_tokens}
+        return FinishReason.max_tokens(params.max_new_tokens)
     return None
 
 

@@ -27,7 +27,10 @@ class ReqToTokenPool:
         return taken
 
     def free(self, index: int) -> None:
-        assert 0 <= index < self.size and index not in self._free_slots, f"double free of req slot {index}"
+        if not 0 <= index < self.size:
+            raise RuntimeError(f"req slot {index} is outside the pool [0, {self.size})")
+        if index in self._free_slots:
+            raise RuntimeError(f"double free of req slot {index}")
         self._free_slots.append(index)
 
     def clear(self) -> None:
@@ -72,8 +75,10 @@ class TokenToKVPool:
         if indices.numel() == 0:
             return
         indices = indices.to(torch.int64).cpu()
-        assert not bool(self._free[indices].any()), "double free of KV slots"
-        assert bool((indices > 0).all()), "the dummy slot 0 is never freed"
+        if not bool((indices > 0).all()):
+            raise RuntimeError("the dummy KV slot 0 is never freed")
+        if bool(self._free[indices].any()):
+            raise RuntimeError(f"double free of KV slots {indices[self._free[indices]].tolist()[:8]}")
         self._free[indices] = True
         self._free_slots = torch.cat([self._free_slots, indices])
         self._num_free += indices.numel()

@@ -82,7 +82,8 @@ class NoReqCache:
 
     def release(self, req: CachedReq) -> None:
         """Free everything the request holds (finish, abort or retraction)."""
-        assert req.req_pool_idx is not None
+        if req.req_pool_idx is None:
+            raise RuntimeError("release of a request that holds no request slot")
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)
         self.kv_pool.free(kv)
         self.req_to_token_pool.free(req.req_pool_idx)

@@ -90,6 +90,8 @@ class TreeReqCache:
 
     def release(self, req: CachedReq) -> None:
         """Free the slots the request owns beyond its tree prefix, and its request slot (lock already dropped)."""
+        if req.req_pool_idx is None:
+            raise RuntimeError("release of a request that holds no request slot")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         own_start = int(req.prefix_indices.numel())
         self.kv_pool.free(row[own_start:req.kv_len].to(torch.int64))
@@ -112,6 +114,7 @@ class TreeReqCache:
         return self.tree.evictable_size() + self.tree.protected_size()
 
     def reset(self) -> None:
-        assert self.tree.protected_size() == 0, "reset while requests hold the tree"
+        if self.tree.protected_size() != 0:
+            raise RuntimeError(f"reset while requests hold {self.tree.protected_size()} tokens of the tree")
         self.tree.evict(self.tree.evictable_size(), self.kv_pool.free)
         self.tree.reset()

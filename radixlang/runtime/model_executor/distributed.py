@@ -98,7 +98,8 @@ def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
     kind, mode, bs, num_tokens, num_rows, num_r2t = header.tolist()
     if kind == MSG_STOP:
         return None
-    assert kind == MSG_STEP, f"unknown tensor-parallel message kind {kind}"
+    if kind != MSG_STEP:
+        raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
     sizes = [num_tokens, num_tokens, bs, bs, bs, bs, num_tokens, num_rows, num_r2t]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=comm.comm_device)
     dist.broadcast(payload, src=0)

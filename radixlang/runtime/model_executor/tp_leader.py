@@ -47,7 +47,8 @@ class TPLeader:
     @classmethod
     def start(cls, args: ServerArgs, follower_main: Callable) -> TPLeader:
         """Spawn ranks 1 .. per_node - 1 of node 0 and join the group with them (and remote nodes)."""
-        assert args.node_rank == 0, "only node 0 hosts rank 0"
+        if args.node_rank != 0:
+            raise RuntimeError(f"only node 0 hosts tensor-parallel rank 0, this is node {args.node_rank}")
         _check_devices(args)
         if args.device == "cuda":
             torch.cuda.set_device(0)

@@ -1,0 +1,81 @@
+"""GrammarWaits: constrained requests wait in the queue while their grammar compiles.
+
+The compiler runs on worker threads; each step the scheduler polls the waiting requests'
+futures, attaches a ``Grammar`` to those that completed and fails (alone) those whose grammar
+did not compile. A request with a grammar still compiling is never admitted.
+"""
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, TokenizerInfo
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.managers.schedule_batch import Req
+from radixlang.runtime.managers.scheduler_output import OutputCollector
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+
+
+class GrammarWaits:
+    def __init__(self, *, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], timeout_s: float,
+                 whitespace_pattern: str | None, compiler: GrammarCompiler | None = None) -> None:
+        """``compiler``: one to use instead of building it from the tokenizer on the first grammar."""
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_ids = eos_ids
+        self._timeout_s = timeout_s
+        self._whitespace_pattern = whitespace_pattern
+        self._compiler = compiler
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (reading the vocabulary takes a moment)."""
+        if self._compiler is None:
+            info = TokenizerInfo.from_tokenizer(self._tokenizer, vocab_size=self._vocab_size,
+                                                eos_token_ids=sorted(self._eos_ids))
+            self._compiler = GrammarCompiler(info, timeout_s=self._timeout_s,
+                                             whitespace_pattern=self._whitespace_pattern)
+        return self._compiler
+
+    def submit(self, params: SamplingParams) -> Future[CompiledGrammar] | None:
+        """Start compiling the request's grammar; None when it has none.
+
+        Raises RequestError (or the compiler's ValueError) for a grammar refused outright.
+        """
+        if params.grammar_key is None:
+            return None
+        kind, spec = params.grammar_key
+        if kind == "ebnf":
+            raise RequestError("ebnf grammars are not supported yet: use regex or json_schema", "ebnf")
+        return self.compiler.compile_async(kind, spec)
+
+    @staticmethod
+    def poll(waiting: list[Req], outputs: OutputCollector) -> list[Future[CompiledGrammar]]:
+        """Attach compiled grammars to waiting requests; fail those whose grammar did not compile.
+
+        Returns the futures still compiling.
+        """
+        pending = []
+        for req in list(waiting):
+            fut = req.grammar_future
+            if fut is None or req.grammar is not None:
+                continue
+            if not fut.done():
+                pending.append(fut)
+                continue
+            try:
+                req.grammar = Grammar(fut.result())
+            except Exception as e:  # a bad or too slow grammar fails only its own request
+                waiting.remove(req)
+                outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len)
+        return pending
+
+    @staticmethod
+    def is_compiling(req: Req) -> bool:
+        return req.grammar_future is not None and req.grammar is None
+
+    @staticmethod
+    def wait(pending: list[Future[CompiledGrammar]], timeout_s: float = 0.01) -> None:
+        """Block until one grammar completes or ``timeout_s`` passes (a loop with nothing else to do)."""
+        wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
