@@ -30,7 +30,7 @@ class CharTokenizer:
     """One character per token; id 0 is EOS ("</s>", special)."""
 
     eos_token_id = EOS
-    all_special_tokens = ["</s>"]
+    all_special_tokens = ("</s>",)
 
     def get_vocab(self) -> dict[str, int]:
         return {"</s>": EOS, **{c: i + 1 for i, c in enumerate(CHARS)}}

@@ -130,7 +130,7 @@ def test_chunked_prefill_runs_a_long_prompt_in_order_before_the_next_request():
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_out_of_kv_retracts_the_newest_request_which_finishes_later_with_the_same_tokens(disable_radix_cache):
     # two requests of 4 + 12 tokens need 32 slots; the pool has 20
-    sched, runner = make(runner=ScriptedRunner(kv_size=20), disable_radix_cache=disable_radix_cache)
+    sched, _ = make(runner=ScriptedRunner(kv_size=20), disable_radix_cache=disable_radix_cache)
     submit(sched, "old", prompt(3), max_new_tokens=12)
     submit(sched, "new", prompt(4), max_new_tokens=12)
     got = Collected()
@@ -165,7 +165,7 @@ def test_abort_a_waiting_request():
 
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_abort_a_running_request_frees_its_slots(disable_radix_cache):
-    sched, runner = make(disable_radix_cache=disable_radix_cache)
+    sched, _ = make(disable_radix_cache=disable_radix_cache)
     submit(sched, "a", prompt(7), max_new_tokens=20)
     submit(sched, "b", prompt(8), max_new_tokens=5)
     got = Collected()
@@ -212,7 +212,7 @@ def test_leak_check_passes_when_idle_and_clean_and_raises_on_a_leaked_slot():
 
 
 def test_leak_check_skips_while_requests_are_in_flight():
-    sched, runner = make()
+    sched, _ = make()
     submit(sched, "a", prompt(11), max_new_tokens=5)
     sched.step()
     sched.check_memory_leak()  # running: the pools are legitimately in use
@@ -269,7 +269,7 @@ def test_a_request_waits_for_its_grammar_and_a_failing_grammar_fails_only_its_re
 
 
 def test_eos_is_not_sampled_before_min_new_tokens():
-    sched, runner = make(runner=ScriptedRunner(script=lambda call, seq: one_hot(EOS)))
+    sched, _ = make(runner=ScriptedRunner(script=lambda call, seq: one_hot(EOS)))
     submit(sched, "a", prompt(15), max_new_tokens=8, min_new_tokens=3)
     submit(sched, "b", prompt(16), max_new_tokens=8)
     got = run(sched)
@@ -280,7 +280,7 @@ def test_eos_is_not_sampled_before_min_new_tokens():
 
 def test_stop_token_ids_and_stop_strings_end_a_request():
     seq = greedy_continuation(prompt(17), 10)
-    sched, runner = make()
+    sched, _ = make()
     submit(sched, "tok", prompt(17), max_new_tokens=10, stop_token_ids=[seq[4]])
     text = CharTokenizer().decode(seq)
     submit(sched, "str", prompt(17), max_new_tokens=10, stop=[text[5:7]])
@@ -315,7 +315,7 @@ def test_prefill_only_request_without_a_cache_finishes_without_a_forward():
 
 
 def test_a_lone_request_past_the_pool_is_capped_not_retracted_forever():
-    sched, runner = make(runner=ScriptedRunner(kv_size=12))
+    sched, _ = make(runner=ScriptedRunner(kv_size=12))
     submit(sched, "a", prompt(20), max_new_tokens=30)
     got = run(sched)
     assert got.reasons["a"] == {"type": "length", "length": 8}  # 12 slots - 4 prompt tokens

@@ -66,7 +66,7 @@ class GrammarWaits:
                 continue
             try:
                 req.grammar = Grammar(fut.result())
-            except Exception as e:  # a bad or too slow grammar fails only its own request
+            except Exception as e:  # noqa: BLE001 -- a bad or too slow grammar fails only its own request
                 waiting.remove(req)
                 outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len)
         return pending

@@ -62,7 +62,7 @@ class FinishReason:
     @classmethod
     def from_dict(cls, data: FinishReasonDict) -> FinishReason:
         kind = data.get("type")
-        if kind not in ("stop", "length", "abort"):
+        if kind != "stop" and kind != "length" and kind != "abort":
             raise ValueError(f"finish reason type must be stop, length or abort, got {kind!r}")
         return cls(kind=kind, matched=data.get("matched"), length=data.get("length"), message=data.get("message"),
                    status_code=data.get("status_code"), param=data.get("param"))
@@ -198,7 +198,7 @@ def encode(msg: Any) -> bytes:
 def decode(data: bytes) -> Any:
     """Inverse of ``encode``; refuses unknown type tags."""
     obj = orjson.loads(data)
-    cls = _MESSAGE_TYPES.get(obj.get("t")) if isinstance(obj, dict) else None
+    cls = _MESSAGE_TYPES.get(str(obj.get("t"))) if isinstance(obj, dict) else None
     if cls is None:
         raise ValueError("unknown message type on the wire")
     return cls(**obj["d"])

@@ -112,9 +112,8 @@ class Scheduler:
         if len(tr.input_ids) + 1 > self.kv_pool.size:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}",
                                "input_ids")
-        room = self.kv_pool.size - len(tr.input_ids)
-        if params.max_new_tokens > room:  # a lone request past the pool could not be retracted: cap it, as for context
-            params.max_new_tokens = room
+        # a lone request past the pool could not be retracted: cap it, as for context
+        params.max_new_tokens = min(params.max_new_tokens, self.kv_pool.size - len(tr.input_ids))
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:
@@ -158,7 +157,10 @@ class Scheduler:
         budget = self.args.max_prefill_tokens
         if self.args.chunked_prefill_size > 0:
             budget = min(budget, self.args.chunked_prefill_size)
-        reqs, prefix_lens, extend_lens, sample_mask = [], [], [], []
+        reqs: list[Req] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        sample_mask: list[bool] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + order_waiting(
             self.waiting, self.args.schedule_policy, self.cache)
         self.chunked_req = None

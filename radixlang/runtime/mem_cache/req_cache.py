@@ -7,7 +7,8 @@ seen only through ``CachedReq``, the few fields this bookkeeping reads and write
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 

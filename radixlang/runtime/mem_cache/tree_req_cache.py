@@ -6,6 +6,8 @@ row at the tree's slots; ``release`` frees only the slots the request still owns
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from radixlang.radix_cache import RadixCache, TreeNode
@@ -26,7 +28,7 @@ class TreeReqCache:
     def prefix_len(self, req: CachedReq) -> int:
         return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).kv_indices.numel())
 
-    def should_defer(self, req: CachedReq, batch: list[CachedReq], min_gain: int = 32) -> bool:
+    def should_defer(self, req: CachedReq, batch: Sequence[CachedReq], min_gain: int = 32) -> bool:
         """True when a request already in this prefill batch will cache a longer prefix of req: wait a step."""
         have = self.prefix_len(req)
         ids = req.fill_ids
@@ -50,10 +52,10 @@ class TreeReqCache:
             nodes[id(node)] = node
         weight: dict[int, int] = {}
         for key, reqs in at.items():
-            node = nodes[key]
-            while node is not None:
-                weight[id(node)] = weight.get(id(node), 0) + len(reqs)
-                node = node.parent
+            up: TreeNode | None = nodes[key]
+            while up is not None:
+                weight[id(up)] = weight.get(id(up), 0) + len(reqs)
+                up = up.parent
         order: list[CachedReq] = []
         stack = [self.tree.root]
         while stack:

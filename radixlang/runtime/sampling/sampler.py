@@ -1,5 +1,17 @@
 """Batched sampling and logprobs.
 
+Per row, in this order (``sample``):
+
+1. tokens in ``min_tokens_blocked`` (EOS and stop ids before ``min_new_tokens``) get -inf;
+2. penalties, over the tokens the request has generated so far (not its prompt): a token
+   generated ``c > 0`` times has its logit ``l`` replaced by
+   ``(l / repetition_penalty if l > 0 else l * repetition_penalty) - frequency_penalty * c - presence_penalty``;
+   tokens never generated are unchanged;
+3. greedy rows (temperature ~0 or top_k == 1) take the argmax;
+4. other rows: ``p = softmax(l / temperature)``; sorted by descending ``p``, a token is kept while
+   the mass before it is < top_p, its rank is < top_k (when top_k > 0) and ``p >= min_p * max(p)``
+   (the most likely token is always kept); one token is drawn from the kept ones, renormalized.
+
 Each request draws its randomness from its own generator when it has a
 ``sampling_seed`` (seeded by (seed, step)), so its samples do not depend on
 which other requests share the batch. Unseeded requests share the engine's
@@ -27,6 +39,7 @@ class SamplingInfo:
 
 
 def _apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
+    """Repetition, then frequency and presence penalties, in place (the formula in the module docstring)."""
     for row, (p, out) in enumerate(zip(info.params, info.output_ids)):
         if not out or (p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and p.repetition_penalty == 1.0):
             continue
