@@ -12,7 +12,7 @@ from scripted_runner import EOS, VOCAB, CharTokenizer, ScriptedRunner, greedy_co
 from radixlang.constrained import GrammarCompiler, TokenizerInfo
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.managers.grammar_wait import GrammarWaits
-from radixlang.runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
+from radixlang.runtime.managers.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq, decode, encode
 from radixlang.runtime.managers.scheduler import Scheduler
 from radixlang.runtime.server_args import ServerArgs
 
@@ -336,3 +336,47 @@ def test_scripted_runner_sees_slot_bookkeeping_errors():
     assert got.ids["a"][0] == greedy_continuation(prompt(21), 1)[0]
     assert got.ids["a"] != greedy_continuation(prompt(21), 4)
     assert torch.is_tensor(row)
+
+
+@pytest.mark.parametrize("reason,wire", [
+    (FinishReason.stop(7), {"type": "stop", "matched": 7}),
+    (FinishReason.stop("\n\n"), {"type": "stop", "matched": "\n\n"}),
+    (FinishReason.stop(None), {"type": "stop", "matched": None}),
+    (FinishReason.max_tokens(16), {"type": "length", "length": 16}),
+    (FinishReason.abort("aborted by request"), {"type": "abort", "message": "aborted by request"}),
+    (FinishReason.abort("top_p must be in (0, 1], got 2", status_code=400, param="top_p"),
+     {"type": "abort", "message": "top_p must be in (0, 1], got 2", "status_code": 400, "param": "top_p"}),
+])
+def test_finish_reason_serializes_to_sglang_dicts_and_back(reason, wire):
+    assert reason.to_dict() == wire
+    assert list(reason.to_dict()) == list(wire)  # key order too: the JSON the API returns is unchanged
+    assert FinishReason.from_dict(wire) == reason
+
+
+def test_finish_reason_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="stop, length or abort"):
+        FinishReason.from_dict({"type": "done"})
+
+
+def _soft(call: int, seq: list[int]) -> torch.Tensor:
+    """A spread-out distribution that depends on the sequence, so a seeded draw has many outcomes."""
+    g = torch.Generator().manual_seed(sum((j + 1) * t for j, t in enumerate(seq)))
+    row = torch.rand(VOCAB, generator=g)
+    row[EOS] = -100.0
+    return row
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_or_batched():
+    params = {"temperature": 1.0, "top_p": 0.9, "sampling_seed": 77, "max_new_tokens": 10}
+
+    def tokens(others: int) -> list[int]:
+        sched, _ = make(runner=ScriptedRunner(script=_soft))
+        for i in range(others):
+            submit(sched, f"o{i}", prompt(30 + i, 3 + i), temperature=1.0, max_new_tokens=4 + 3 * i)
+        submit(sched, "seeded", prompt(29), **params)
+        return run(sched).ids["seeded"]
+
+    alone = tokens(0)
+    assert len(set(alone)) > 3
+    assert tokens(3) == alone
+    assert tokens(1) == alone

@@ -4,6 +4,12 @@ One class serves the in-process Engine and the server's scheduler process.
 Each ``step()`` is: pick a batch (prefill if any waiting request fits, else
 decode every running request), run it, post-process the sampled tokens, and
 return the outputs for the detokenizer.
+
+Its parts live beside it: ``kv_slots`` (a request's KV slots: admit, reserve, release),
+``grammar_wait`` (grammars compiling off the loop), ``grammar_step`` (masks, jump-forward),
+``stop`` (finish conditions), ``scheduler_output`` (what a step sends), ``scheduler_stats``
+(counters, latency, the leak check). The runner is anything that satisfies
+``model_executor.runner.Runner``.
 """
 from __future__ import annotations
 
