@@ -137,6 +137,8 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after n tokens; return the new upper node (which keeps child's lock count)."""
         parent = child.parent
+        if parent is None:
+            raise RuntimeError("cannot split the root")
         upper = TreeNode(parent=parent)
         upper.key, upper.value = child.key[:n], child.value[:n]
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
