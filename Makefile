@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve lint test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/python -m radixlang.launch_server $(ARGS)
 
-test: $(STAMP)
+# ruff and mypy read their settings (rules, the typed packages mypy checks) from pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
+
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 BENCH ?= run_all

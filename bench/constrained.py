@@ -67,7 +67,8 @@ def decode_ratio(free: Engine, masked: Engine, batch: int, tokens: int) -> dict[
     lengths = [o["meta_info"]["completion_tokens"] for o in outs]
     row: dict[str, Any] = {"json": {"tokens": sum(lengths), "wall_s": wall, "steps": steps,
                                     "valid": sum(1 for o in outs if _valid_json(o["text"])),
-                                    "stopped": sum(1 for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop")}}
+                                    "stopped": sum(1 for o in outs
+                                                   if o["meta_info"]["finish_reason"]["type"] == "stop")}}
     free_params = [{"temperature": 0.8, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i}
                    for i, n in enumerate(lengths)]
     _run(free, prompts[:1], free_params[:1])
@@ -148,7 +149,8 @@ def main() -> None:
     tok = constrained_micro.load_tokenizer()
     ids = tok.encode(constrained_micro.DOCUMENT, add_special_tokens=False)
     micro: dict[str, Any] = {"radixlang_outlines": constrained_micro.bench_radixlang(tok, ids, 3)}
-    for name, fn in (("xgrammar", constrained_micro.bench_xgrammar), ("llguidance", constrained_micro.bench_llguidance)):
+    for name, fn in (("xgrammar", constrained_micro.bench_xgrammar),
+                     ("llguidance", constrained_micro.bench_llguidance)):
         try:
             micro[name] = fn(tok, ids, 3) or "not installed"
         except Exception as e:  # a peer's API drift must not lose our numbers

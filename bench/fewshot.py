@@ -28,7 +28,8 @@ SYSTEMS = ("radixlang", "radixlang_bf16", "llama.cpp", "transformers")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32, help="programs per system")
-    ap.add_argument("--systems", nargs="*", default=list(SYSTEMS), help=f"any of the run_all systems (default {SYSTEMS})")
+    ap.add_argument("--systems", nargs="*", default=list(SYSTEMS),
+                    help=f"any of the run_all systems (default {SYSTEMS})")
     ap.add_argument("--repeat", type=int, default=3, help="turns per system; the best is compared (default 3)")
     args = ap.parse_args()
     from radixlang.runtime.models.loader import resolve_model_dir

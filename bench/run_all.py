@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import multiprocessing
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -100,7 +99,8 @@ def _programs(workload: Workload, system: System, quick: bool) -> int:
 
 
 # what every system's process imports: the fork server imports it once, each child starts from a copy
-_PRELOAD = ["torch", "transformers", "radixlang.runtime.entrypoints.engine", "radixlang.lang", "bench.systems", "bench.peers",
+_PRELOAD = ["torch", "transformers", "radixlang.runtime.entrypoints.engine", "radixlang.lang", "bench.systems",
+            "bench.peers",
             "bench.workloads", "llama_cpp", "outlines"]
 
 

@@ -192,7 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--system-prompt-len", type=int, help="shared-prefix: tokens (default 400 / 800)")
     ap.add_argument("--question-len", type=int, help="shared-prefix: tokens (default 32 / 64)")
     ap.add_argument("--output-len", type=int, help="shared-prefix: new tokens (default 16 / 64)")
-    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per run; unfinished requests fail")
     ap.add_argument("--seed", type=int, default=0)

@@ -39,15 +39,20 @@ def agent(s, question, max_steps=3):
     s += sgl.assistant(sgl.gen("final", max_tokens=64))
 
 
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    try:
+        state = agent.run(question="What is 17 * 23?", backend=engine, temperature=0)
+    except (RuntimeError, ValueError) as e:  # e.g. a server without constrained decoding
+        print("the program failed:", e)
+        return
+    for m in state.messages():
+        print(f"{m['role']:>9}: {m['content']}")
+
+
 def main() -> None:
-    with sgl.Engine() as engine:
-        try:
-            state = agent.run(question="What is 17 * 23?", backend=engine, temperature=0)
-        except (RuntimeError, ValueError) as e:  # e.g. a server without constrained decoding
-            print("the program failed:", e)
-            return
-        for m in state.messages():
-            print(f"{m['role']:>9}: {m['content']}")
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

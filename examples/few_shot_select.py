@@ -23,16 +23,21 @@ def classify(s, review):
     s += "Review: " + review + " Sentiment:" + sgl.select("label", [" positive", " negative"])
 
 
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    states = classify.run_batch([{"review": r} for r, _ in DATA], backend=engine, progress_bar=True)
+    correct = 0
+    for (review, gold), state in zip(DATA, states):
+        label = state["label"].strip()
+        correct += label == gold
+        scores = state.get_meta_info("label")["normalized_prompt_logprobs"]
+        print(f"{label:8s} (gold {gold:8s}) scores={[round(x, 3) for x in scores]}  {review}")
+    print(f"accuracy: {correct}/{len(DATA)}")
+
+
 def main() -> None:
-    with sgl.Engine() as engine:
-        states = classify.run_batch([{"review": r} for r, _ in DATA], backend=engine, progress_bar=True)
-        correct = 0
-        for (review, gold), state in zip(DATA, states):
-            label = state["label"].strip()
-            correct += label == gold
-            scores = state.get_meta_info("label")["normalized_prompt_logprobs"]
-            print(f"{label:8s} (gold {gold:8s}) scores={[round(x, 3) for x in scores]}  {review}")
-        print(f"accuracy: {correct}/{len(DATA)}")
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,24 @@ def extract(s, passage):
     s += sgl.assistant(sgl.gen("person", max_tokens=64, json_schema=SCHEMA))
 
 
-def main() -> None:
-    with sgl.Engine() as engine:
-        state = extract.run(passage="Maria Lopez, 34, moved to Lisbon last spring to open a bakery.",
-                            backend=engine, temperature=0)
-        if state.error() is not None:
-            print("generation failed:", state.error())
-            return
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    state = extract.run(passage="Maria Lopez, 34, moved to Lisbon last spring to open a bakery.",
+                        backend=engine, temperature=0)
+    if state.error() is not None:
+        print("generation failed:", state.error())
+        return
+    try:
         person = json.loads(state["person"])
-        print(json.dumps(person, indent=2))
+    except json.JSONDecodeError:  # the schema holds for every prefix, but max_tokens can cut the object short
+        print("incomplete JSON (raise max_tokens):", state["person"])
+        return
+    print(json.dumps(person, indent=2))
+
+
+def main() -> None:
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

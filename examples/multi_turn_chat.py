@@ -15,13 +15,18 @@ def chat(s, questions):
         s += sgl.assistant(sgl.gen(f"answer_{i}", max_tokens=48))
 
 
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    state = chat.run(questions=["What is the capital of France?", "And how many people live there?"],
+                     backend=engine, temperature=0)
+    for m in state.messages():
+        print(f"{m['role']:>9}: {m['content']}")
+    print("cached tokens in the second turn:", state.get_meta_info("answer_1")["cached_tokens"])
+
+
 def main() -> None:
-    with sgl.Engine() as engine:
-        state = chat.run(questions=["What is the capital of France?", "And how many people live there?"],
-                         backend=engine, temperature=0)
-        for m in state.messages():
-            print(f"{m['role']:>9}: {m['content']}")
-        print("cached tokens in the second turn:", state.get_meta_info("answer_1")["cached_tokens"])
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

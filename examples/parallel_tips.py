@@ -20,10 +20,15 @@ def tips(s, topic):
     s += "In summary," + sgl.gen("summary", max_tokens=32)
 
 
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    state = tips.run(topic="staying healthy", backend=engine, temperature=0)
+    print(state.text())
+
+
 def main() -> None:
-    with sgl.Engine() as engine:
-        state = tips.run(topic="staying healthy", backend=engine, temperature=0)
-        print(state.text())
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,18 @@ async def stream_async(engine) -> None:
     print()
 
 
+def run(engine) -> None:
+    """Run the program on `engine` (main() passes the embedded model; the tests a tiny one)."""
+    state = story.run(topic="a robot cat", backend=engine, stream=True, temperature=0)
+    for delta in state.text_iter("story"):
+        print(delta, end="", flush=True)
+    print("\n---")
+    asyncio.run(stream_async(engine))
+
+
 def main() -> None:
-    with sgl.Engine() as engine:
-        state = story.run(topic="a robot cat", backend=engine, stream=True, temperature=0)
-        for delta in state.text_iter("story"):
-            print(delta, end="", flush=True)
-        print("\n---")
-        asyncio.run(stream_async(engine))
+    with sgl.Engine() as engine:  # the embedded SmolLM2-135M-Instruct
+        run(engine)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from radixlang.lang._public import *  # noqa: F401,F403
 from radixlang.lang._public import __all__ as _lang_all
 
 __version__ = "0.1.0"
-__all__ = [*_lang_all, "Engine", "__version__"]
+__all__ = [*_lang_all, "Engine", "__version__"]  # noqa: F405 (Engine: lazily by __getattr__)
 
 
 def __getattr__(name: str) -> Any:

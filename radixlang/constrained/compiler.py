@@ -77,10 +77,6 @@ class GrammarCompiler:
         self._start(key, fut)
         return fut
 
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
-
     def cache_len(self) -> int:
         with self._lock:
             return len(self._cache)

@@ -184,11 +184,6 @@ class Grammar:
             return
         into.copy_(self.compiled.mask_for_state(self.state), non_blocking=True)
 
-    def is_allowed(self, token_id: int) -> bool:
-        if token_id in self.compiled.eos_token_ids:
-            return self._terminated or self.compiled.is_final(self.state)
-        return not self._terminated and self.compiled.next_state(self.state, token_id) is not None
-
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) when it isn't allowed."""
         if self._terminated:

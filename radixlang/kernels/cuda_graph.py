@@ -71,7 +71,8 @@ class CudaGraphRunner:
                  pad_slot: int = 0, pad_req_index: int = 0, num_warmups: int = 2) -> None:
         if not isinstance(attn_backend, GraphAttnBackend):
             raise ValueError(f"CUDA graphs need an attention backend with init_cuda_graph_state and "
-                             f"init_forward_metadata_cuda_graph (triton, flashinfer), got {type(attn_backend).__name__}")
+                             f"init_forward_metadata_cuda_graph (triton, flashinfer), "
+                             f"got {type(attn_backend).__name__}")
         sizes = sorted(set(default_capture_sizes(max_bs) if capture_sizes is None else capture_sizes))
         if not sizes or sizes[0] < 1 or sizes[-1] > max_bs:
             raise ValueError(f"capture_sizes must be non-empty and within [1, max_bs={max_bs}], got {list(sizes)}")

@@ -212,7 +212,8 @@ class StreamExecutor:
         opens_turn = self.cur_role == "assistant" and self.role_start == len(self.text_)
         messages = list(self.messages_) if opens_turn else None
         if self.stream:
-            parts, meta = [], {}
+            parts: list[str] = []
+            meta: dict[str, Any] = {}
             for delta, meta in self.backend.generate_stream(self.text_, params, messages=messages):
                 parts.append(delta)
                 self._append(delta, node.name)

@@ -155,7 +155,7 @@ class ProgramStateGroup:
             raise ValueError(f"join mode must be gather_variable or concate_join, got {mode!r}")
         for s in self.states:
             s.sync()
-        errors = [s.error() for s in self.states if s.error() is not None]
+        errors = [e for e in (s.error() for s in self.states) if e is not None]
         before = self.parent.stream_executor.variables
         if mode == "gather_variable":
             names: list[str] = []

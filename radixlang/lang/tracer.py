@@ -55,10 +55,10 @@ class ArgPlaceholder:
     __hash__ = None  # type: ignore[assignment]
 
     def __getattr__(self, item: str) -> Any:
-        self._stop()
+        return self._stop()
 
     def __repr__(self) -> str:
-        self._stop()
+        return self._stop()
 
 
 @dataclass

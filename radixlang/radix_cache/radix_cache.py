@@ -137,6 +137,8 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after n tokens; return the new upper node (which keeps child's lock count)."""
         parent = child.parent
+        if parent is None:
+            raise RuntimeError("cannot split the root")
         upper = TreeNode(parent=parent)
         upper.key, upper.value = child.key[:n], child.value[:n]
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
@@ -236,43 +238,3 @@ class RadixCache:
         lines.append(f"total={self.total_size()} evictable={self._evictable} protected={self._protected}")
         return "\n".join(lines)
 
-
-class NullRadixCache:
-    """The same interface with nothing cached (serves --disable-radix-cache)."""
-
-    def __init__(self, page_size: int = 1) -> None:
-        self.page_size = page_size
-        self.root = TreeNode()
-
-    def reset(self) -> None:
-        pass
-
-    def match_prefix(self, key: list[int], namespace: Hashable | None = None) -> MatchResult:
-        return MatchResult(torch.empty(0, dtype=torch.int64), self.root)
-
-    def insert(self, key: list[int], kv_indices: torch.Tensor, namespace: Hashable | None = None) -> int:
-        return len(key)  # nothing kept: every slot is the caller's to free
-
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        return 0
-
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        return 0
-
-    def evict(self, num_tokens: int, free_fn: Callable[[torch.Tensor], None]) -> int:
-        return 0
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
-        return 0
-
-    def total_size(self) -> int:
-        return 0
-
-    def check_integrity(self) -> None:
-        pass
-
-    def pretty_print(self) -> str:
-        return "(radix cache disabled)"

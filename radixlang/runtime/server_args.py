@@ -46,7 +46,7 @@ class ServerArgs:
     chunked_prefill_size: int = _f(2048, "split prompts longer than this into chunks (-1 disables)")
     schedule_policy: str = _f("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     disable_radix_cache: bool = _f(False, "turn off prefix sharing across requests")
-    page_size: int = _f(1, "tokens per KV page")
+    page_size: int = _f(1, "tokens per radix-tree page; only 1 is supported (the KV pool is token-granular)")
     # constrained decoding
     grammar_backend: str = _f("outlines", "grammar engine for regex / JSON schema", ("outlines",))  # xgrammar: planned
     disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
@@ -69,7 +69,6 @@ class ServerArgs:
     enable_metrics: bool = _f(True, "expose Prometheus /metrics")
     max_request_body_bytes: int = _f(16 * 1024 * 1024, "reject larger request bodies with 413")
     log_level: str = _f("info", "logging level", ("debug", "info", "warning", "error"))
-    log_requests: bool = _f(False, "log every request's inputs and outputs")
     graceful_shutdown_timeout: float = _f(30.0, "on SIGTERM, seconds running requests may take before they "
                                                 "are aborted (new requests get 503 meanwhile)")
     # scale out
@@ -95,6 +94,9 @@ class ServerArgs:
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.page_size != 1:
+            raise ValueError(f"page_size must be 1 (the KV pool is token-granular; paged KV is not implemented), "
+                             f"got {self.page_size}")
         self._check_parallel()
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")

@@ -27,7 +27,8 @@ def test_engine_kernels_match_torch_ops(tiny_model_dir, tiny_engine):
     prompts = [shared + [3, 4], shared + [9], list(range(100, 107)), list(range(200, 330))]
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (12, 12, 12, 6)]
     fast = tiny_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
-    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048, disable_cpu_kernels=True) as ref_engine:
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048,
+                disable_cpu_kernels=True) as ref_engine:
         ref_runner = ref_engine.scheduler.runner
         assert type(ref_runner.attn_backend) is TorchNativeAttnBackend and not ref_runner.model.cpu_kernels
         ref = ref_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
@@ -41,7 +42,8 @@ def test_engine_kernels_match_torch_ops(tiny_model_dir, tiny_engine):
 
 def test_torch_backend_can_be_chosen_with_kernels_on(tiny_model_dir):
     from radixlang import Engine
-    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024, attention_backend="torch") as eng:
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024,
+                attention_backend="torch") as eng:
         runner = eng.scheduler.runner
         assert type(runner.attn_backend) is TorchNativeAttnBackend and runner.model.cpu_kernels
         out = eng.generate(input_ids=list(range(5, 30)), sampling_params={"max_new_tokens": 5, "temperature": 0,

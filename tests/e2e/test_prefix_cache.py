@@ -125,7 +125,8 @@ def test_dfs_weight_orders_heaviest_subtree_first():
                                        device="cpu"))
     cache.tree.insert([1, 1, 1, 1], torch.arange(1, 5))
     cache.tree.insert([2, 2, 2, 2], torch.arange(5, 9))
-    mk = lambda rid, ids: Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams())
+    def mk(rid: str, ids: list[int]) -> Req:
+        return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams())
     waiting = [mk("a", [1, 1, 1, 1, 5]), mk("b", [2, 2, 2, 2, 6]), mk("c", [2, 2, 2, 2, 7]), mk("d", [9, 9])]
     order = [r.rid for r in cache.dfs_weight_order(waiting)]
     assert order[0] == "d" or order[:2] == ["b", "c"]

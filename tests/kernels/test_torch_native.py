@@ -81,7 +81,8 @@ def test_matches_reference(heads, kv_heads, case, backend_name, flash, d, monkey
         k, v = torch.randn(length, kv_heads, d), torch.randn(length, kv_heads, d)
         if base is not None:  # a longer run inside an outer one: keep the outer part
             keep = base[0].shape[0]
-            slots, k, v = torch.cat([base[0], slots[keep:]]), torch.cat([base[1], k[keep:]]), torch.cat([base[2], v[keep:]])
+            slots, k, v = (torch.cat([base[0], slots[keep:]]), torch.cat([base[1], k[keep:]]),
+                           torch.cat([base[2], v[keep:]]))
         pool.set_kv_buffer(0, slots, k, v)
         for m in members:
             common[m] = (slots, k, v)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlang.radix_cache import NullRadixCache, RadixCache
+from radixlang.radix_cache import RadixCache
 
 keys = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 
@@ -102,9 +102,3 @@ def test_insert_returns_duplicates_for_caller():
     assert tree.insert([1, 2, 3, 4], torch.tensor([7, 8, 9, 10])) == 3  # caller frees 7, 8, 9
     assert tree.match_prefix([1, 2, 3, 4]).kv_indices.tolist() == [1, 2, 3, 10]
 
-
-def test_null_cache():
-    tree = NullRadixCache()
-    assert tree.insert([1, 2], torch.tensor([1, 2])) == 2
-    assert tree.match_prefix([1, 2]).kv_indices.numel() == 0
-    assert tree.evict(5, lambda t: None) == 0 and tree.total_size() == 0

@@ -100,7 +100,7 @@ class ApproxTree:
             i += len(child.key)
             node = child
         end = node
-        while node is not self.root:
+        while node is not self.root and node.parent is not None:  # only the root has no parent
             node.last_access = now
             node = node.parent
         if not end.children:

@@ -6,15 +6,11 @@ Every front call is a coroutine, so the event loop keeps serving while requests 
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hmac
 import logging
-import uuid
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator
 
 import orjson
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 

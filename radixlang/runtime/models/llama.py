@@ -99,10 +99,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
-        """x [num_tokens, hidden] -> [num_tokens, hidden] (DecoderLayer runs the two halves itself)."""
-        return self.o_proj(self.attend(x, rope, forward_batch))
-
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [num_tokens, hidden] -> [num_tokens, heads * head_dim]."""
         qkv = self.qkv_proj(x).contiguous()  # [n, q_size + 2 * kv_size]; the view below needs packed rows
@@ -324,6 +320,3 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
-
-
-EntryClass = LlamaForCausalLM

@@ -5,7 +5,6 @@ import glob
 import importlib.util
 import logging
 import os
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch

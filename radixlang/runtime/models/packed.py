@@ -154,7 +154,8 @@ def pack_model_(model: nn.Module, *, keep_plain: bool = False) -> int:
         count += 1
     warmed = set()
     for m in model.modules():  # kernels are cached per weight shape: one layer of each shape compiles them
-        if isinstance(m, PackedLinear) and (key := (m.out_features, m.in_features, m.dtype, m.bias is None)) not in warmed:
+        if isinstance(m, PackedLinear) and (
+                key := (m.out_features, m.in_features, m.dtype, m.bias is None)) not in warmed:
             warmed.add(key)
             m.warm_up()
     return count

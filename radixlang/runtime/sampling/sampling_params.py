@@ -55,7 +55,8 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_int("min_new_tokens", self.min_new_tokens, lo=0)
         if self.min_new_tokens > self.max_new_tokens:
-            raise RequestError(f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens} > {self.max_new_tokens}", "min_new_tokens")
+            raise RequestError(f"min_new_tokens must be <= max_new_tokens, "
+                               f"got {self.min_new_tokens} > {self.max_new_tokens}", "min_new_tokens")
         _check_num("temperature", self.temperature)
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
@@ -75,14 +76,16 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {value}", name)
         _check_num("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty")
+            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                               "repetition_penalty")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if any(s == "" for s in self.stop):
             raise RequestError("stop strings must be non-empty", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}", "stop_token_ids")
+            raise RequestError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}",
+                               "stop_token_ids")
         _check_int("n", self.n, lo=1)
         if self.sampling_seed is not None:
             _check_int("sampling_seed", self.sampling_seed)
