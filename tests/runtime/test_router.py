@@ -28,6 +28,19 @@ def _check_integrity(tree: ApproxTree) -> None:
     assert total == tree.num_tokens <= tree.max_tokens
 
 
+def _sequences(tree: ApproxTree) -> list[tuple[int, ...]]:
+    """Every root-to-leaf id sequence the tree holds."""
+    out: list[tuple[int, ...]] = []
+    stack = [(tree.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        path = prefix + node.key
+        if not node.children and node is not tree.root:
+            out.append(path)
+        stack.extend((c, path) for c in node.children.values())
+    return out
+
+
 def test_tree_matches_brute_force_without_eviction():
     rng = random.Random(0)
     tree, stored = ApproxTree(max_tokens=1 << 30), []
@@ -40,7 +53,7 @@ def test_tree_matches_brute_force_without_eviction():
         if seq:
             stored.append(seq)
         _check_integrity(tree)
-    assert sorted(tree.sequences()) == sorted({tuple(s) for s in stored if not any(
+    assert sorted(_sequences(tree)) == sorted({tuple(s) for s in stored if not any(
         len(o) > len(s) and o[:len(s)] == s for o in stored)})
 
 
@@ -54,7 +67,7 @@ def test_tree_stays_bounded_and_keeps_recent_sequences():
         seqs.append(seq)
         _check_integrity(tree)
         assert tree.match(seq) == len(seq)  # the newest insert is never the one evicted
-        for held in tree.sequences():  # everything held is a prefix of something inserted
+        for held in _sequences(tree):  # everything held is a prefix of something inserted
             assert any(list(held) == s[:len(held)] for s in seqs)
     assert len(tree._leaves) <= 2 * tree._num_nodes + 65  # stale heap entries are compacted
 

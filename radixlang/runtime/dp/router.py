@@ -22,13 +22,16 @@ Two policies (SGLang's ``--load-balance-method`` names):
   Defaults: ``cache_threshold=0.5``, ``balance_abs_threshold=8``,
   ``balance_rel_threshold=1.5``. Load is the number of requests in flight:
   ``select`` adds one to the chosen replica, ``finished`` takes one away.
-  Each tree holds at most ``max_tree_tokens`` ids (the Engine passes a
-  replica's KV pool size); past that its least recently used leaves are
-  dropped, as the replica's real radix cache evicts under memory pressure.
+  Each tree holds at most ``max_tree_tokens`` ids (one size for all, or one
+  per replica: the request front passes each replica's KV pool size, as the
+  replica reported it when it was ready); past that its least recently used
+  leaves are dropped, as the replica's real radix cache evicts under memory
+  pressure.
   ``flush(replica)`` empties a tree when that replica's cache is flushed.
 
-The router is pure Python over token ids (no torch) and thread-safe, so the
-in-process Engine and a server's tokenizer process can both call it.
+The router is pure Python over token ids (no torch) and thread-safe; the one
+request front (managers/request_front.py) drives it for the in-process Engine
+and the server alike.
 """
 from __future__ import annotations
 
@@ -147,18 +150,6 @@ class ApproxTree:
             yield node
             stack.extend(node.children.values())
 
-    def sequences(self) -> list[tuple[int, ...]]:
-        """Every root-to-leaf id sequence (for tests)."""
-        out: list[tuple[int, ...]] = []
-        stack: list[tuple[_Node, tuple[int, ...]]] = [(self.root, ())]
-        while stack:
-            node, prefix = stack.pop()
-            path = prefix + node.key
-            if not node.children and node is not self.root:
-                out.append(path)
-            stack.extend((c, path) for c in node.children.values())
-        return out
-
 
 def _common_len(key: tuple[int, ...], ids: tuple[int, ...], start: int) -> int:
     """Length of the common prefix of key and ids[start:]; slice compares run in C, bisecting a mismatch."""
@@ -180,7 +171,7 @@ class Router:
 
     def __init__(self, num_replicas: int, *, policy: str = "cache_aware", cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 8, balance_rel_threshold: float = 1.5,
-                 max_tree_tokens: int = 1 << 20) -> None:
+                 max_tree_tokens: int | Sequence[int] = 1 << 20) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if policy not in POLICIES:
@@ -195,7 +186,10 @@ class Router:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.trees = [ApproxTree(max_tree_tokens) for _ in range(num_replicas)]
+        sizes = [max_tree_tokens] * num_replicas if isinstance(max_tree_tokens, int) else list(max_tree_tokens)
+        if len(sizes) != num_replicas:
+            raise ValueError(f"max_tree_tokens has {len(sizes)} sizes for {num_replicas} replicas")
+        self.trees = [ApproxTree(size) for size in sizes]
         self.loads = [0] * num_replicas
         self.num_routed = [0] * num_replicas
         self._next = 0

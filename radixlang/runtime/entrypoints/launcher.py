@@ -114,8 +114,8 @@ def run_server(args: ServerArgs) -> int:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         from radixlang.runtime.managers.tokenizer_manager import TokenizerManager, process_pids
 
-        manager = TokenizerManager(server_args=ServerArgs(**first.server_args), tokenizer=tokenizer,
-                                   model_path=first.model_path, tokenizer_path=tokenizer_path, ipc=ipc,
+        # the router's trees are sized from each replica's report (its KV pool), as in the Engine
+        manager = TokenizerManager(readies, tokenizer=tokenizer, ipc=ipc,
                                    process_pids=process_pids([r.pid for r in readies], procs.detokenizer.pid))
         logger.info("serving %s on http://%s:%d (%d scheduler replica(s))", first.model_path, args.host, args.port,
                     len(readies))

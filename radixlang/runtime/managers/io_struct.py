@@ -132,6 +132,7 @@ class SchedulerReady:
     server_args: dict[str, Any] = field(default_factory=dict)  # resolved ServerArgs.to_dict()
     model_path: str = ""
     tokenizer_path: str = ""
+    kv_pool_size: int = 0  # KV slots in the replica's pool: the request front sizes its router tree from it
 
 
 @dataclass(kw_only=True)

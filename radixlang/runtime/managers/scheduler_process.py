@@ -71,7 +71,8 @@ def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
                          send=push_socket(ctx, ipc.detokenizer))
     runner = scheduler.runner
     ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(), server_args=scheduler.args.to_dict(),
-                                           model_path=runner.model_path, tokenizer_path=runner.tokenizer_path)))
+                                           model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
+                                           kv_pool_size=scheduler.kv_pool.size)))
     ready.close()
     _run_loop(loop, failed)
 

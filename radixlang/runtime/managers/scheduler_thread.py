@@ -8,17 +8,23 @@ batch-1 decode on 2 cores); one thread for both keeps one team.
 Other threads never touch the scheduler: they post calls to the replica's
 inbox, which the thread runs between steps. Outputs go through the replica's
 own detokenizer to the ``deliver`` callback; a crash goes to ``on_error`` and
-ends the thread.
+ends the thread. ``report()``, ``add_request``, ``abort_request`` and ``control``
+are what the Engine's in-process transport of the request front calls: the
+same messages and replies a scheduler process exchanges over its sockets.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable
 
 from radixlang.runtime.managers.detokenizer import DetokenizerManager
-from radixlang.runtime.managers.io_struct import BatchStrOut
+from radixlang.runtime.managers.io_struct import (
+    BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
+    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq,
+)
 from radixlang.runtime.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,48 @@ class SchedulerThread:
             self.thread.join(timeout=10)
         if self.scheduler is not None:
             self.scheduler.runner.shutdown()  # tensor-parallel follower processes, if any
+
+    def report(self) -> SchedulerReady:
+        """What a scheduler process sends the launcher once it is ready (after ``wait_built``)."""
+        sched = self.wait_built()
+        return SchedulerReady(replica=self.index, pid=os.getpid(), server_args=sched.args.to_dict(),
+                              model_path=sched.runner.model_path, tokenizer_path=sched.runner.tokenizer_path,
+                              kv_pool_size=sched.kv_pool.size)
+
+    def add_request(self, req: TokenizedGenerateReq) -> None:
+        """Queue a request (returns at once); a refusal comes back through ``deliver``."""
+        sched = self.wait_built()
+
+        def add() -> Any:
+            sched.add_request(req)
+            return sched.outputs.flush(sched.tokenizer)  # immediate errors
+        self.post(add)
+
+    def abort_request(self, rid: str) -> None:
+        """Abort a request (returns at once); a waiting one's abort is delivered even if the replica idles."""
+        sched = self.wait_built()
+
+        def abort() -> Any:
+            sched.abort_request(rid)
+            return sched.outputs.flush(sched.tokenizer)
+        self.post(abort)
+
+    def control(self, msg: FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq
+                ) -> FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut:
+        """Answer a control message on the replica's thread, as a scheduler process answers it."""
+        sched = self.wait_built()
+        if isinstance(msg, FlushCacheReq):
+            out = self.call(sched.flush_cache)
+            return FlushCacheOut(success=out.success, message=out.message, rid=msg.rid)
+        if isinstance(msg, GetInternalStateReq):
+            return GetInternalStateOut(state=self.call(sched.get_internal_state), rid=msg.rid)
+        if isinstance(msg, CheckMemoryLeakReq):
+            try:
+                self.call(sched.check_memory_leak)
+            except AssertionError as e:
+                return CheckMemoryLeakOut(ok=False, message=str(e), rid=msg.rid)
+            return CheckMemoryLeakOut(ok=True, rid=msg.rid)
+        raise TypeError(f"expected a control message, got {type(msg).__name__}")
 
     def post(self, fn: Callable[[], Any]) -> None:
         """Run fn on the replica's thread; a BatchTokenIDOut it returns is delivered like a step's."""
