@@ -1,6 +1,6 @@
 """Data parallelism: dp=2 with the cache-aware router vs round robin, in one run.
 
-    python -m bench.dp_routing [--quick]
+    python -m bench.dp_routing [--quick] [--engine-only]
 
 Workload: several few-shot prefixes (one per topic seed), each asked several
 questions; the requests of a wave are shuffled together and submitted at once,
@@ -13,8 +13,12 @@ does for a fleet whose caches cannot each hold the whole working set).
 
 Reported per policy: the prompt-token hit rate (cached / prompt tokens, summed
 over the replicas), requests/s over all waves, and how many requests each
-replica served. Full run: SmolLM2; --quick: a small random-weight Llama with
-SmolLM2's tokenizer and fewer requests.
+replica served. The same cells run through the in-process Engine and through a
+launched server (HTTP /generate, one batched call per wave; --engine-only skips
+the server): both run the one request front, so their routing, and so their hit
+rates, should agree; "server_vs_engine" reports the hit-rate ratio and whether
+every replica served the same number of requests. Full run: SmolLM2; --quick: a
+small random-weight Llama with SmolLM2's tokenizer and fewer requests.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from bench.common import timed, write_result
 from bench.prefix_sharing import few_shot_prompts
@@ -50,7 +56,35 @@ def waves(tokenizer, *, num_prefixes: int, per_prefix: int, num_waves: int, seed
     return out
 
 
-def run_policy(engine: Engine, workload: list[list[list[int]]]) -> dict:
+class ServerClient:
+    """The three Engine calls run_policy makes, over a launched server's HTTP API."""
+
+    def __init__(self, url: str) -> None:
+        self.client = httpx.Client(base_url=url, timeout=600)
+
+    def generate(self, *, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
+        r = self.client.post("/generate", json={"input_ids": input_ids, "sampling_params": sampling_params})
+        r.raise_for_status()
+        return r.json()
+
+    def flush_cache(self) -> bool:
+        return self.client.post("/flush_cache").status_code == 200
+
+    def get_server_info(self) -> dict:
+        return self.client.get("/get_server_info").json()
+
+    def check_memory_leak(self) -> None:
+        pass  # no HTTP route: the Engine cell of the same run checks it
+
+
+def run_server(kw: dict, policy: str, pool: int, workload: list[list[list[int]]]) -> dict:
+    from radixlang.lang.backends.runtime import Runtime
+    with Runtime(launch_timeout=600, dp_size=2, load_balance_method=policy, max_total_tokens=pool,
+                 log_level="warning", **kw) as runtime:
+        return run_policy(ServerClient(runtime.url), workload)
+
+
+def run_policy(engine: Engine | ServerClient, workload: list[list[list[int]]]) -> dict:
     engine.generate(input_ids=[[11, 12, 13], [21, 22, 23]], sampling_params=GREEDY)  # warm both replicas
     assert engine.flush_cache(), "flush_cache refused: the engine is not idle"
     before = engine.get_server_info()
@@ -95,6 +129,7 @@ def tiny_model_dir(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny random model, fewer requests")
+    ap.add_argument("--engine-only", action="store_true", help="skip the server cells")
     args = ap.parse_args()
     shape = dict(num_prefixes=4, per_prefix=2, num_waves=3) if args.quick else \
         dict(num_prefixes=8, per_prefix=2, num_waves=4)
@@ -113,6 +148,10 @@ def main() -> None:
                     row = run_policy(engine, workload)
                 results.setdefault(scenario, {"kv_tokens_per_replica": pool})[policy] = row
                 print(f"{scenario} {policy}: built and ran in {time.perf_counter() - start:.1f}s")
+                if not args.engine_only:
+                    start = time.perf_counter()
+                    results[scenario].setdefault("server", {})[policy] = run_server(kw, policy, pool, workload)
+                    print(f"{scenario} {policy} (server): launched and ran in {time.perf_counter() - start:.1f}s")
     n = sum(len(w) for w in workload)
     print(f"{n} requests in {shape['num_waves']} waves, {shape['num_prefixes']} few-shot prefixes, "
           f"~{len(workload[0][0])} prompt tokens each")
@@ -128,6 +167,14 @@ def main() -> None:
                   f"per replica {r['requests_per_replica']}")
         print(f"  cache_aware / round_robin: hit rate {res['ratios']['hit_rate']:.2f}x, "
               f"throughput {res['ratios']['requests_s']:.2f}x")
+        for policy in POLICIES if "server" in res else ():
+            srv, eng = res["server"][policy], res[policy]
+            res.setdefault("server_vs_engine", {})[policy] = {
+                "hit_rate": srv["hit_rate"] / max(eng["hit_rate"], 1e-9),
+                "same_requests_per_replica": srv["requests_per_replica"] == eng["requests_per_replica"]}
+            ratio = res["server_vs_engine"][policy]["hit_rate"]
+            print(f"  server {policy:12s} hit rate {srv['hit_rate']:.3f}  {srv['requests_s']:.2f} req/s  "
+                  f"per replica {srv['requests_per_replica']}  (hit rate {ratio:.2f}x the engine's)")
     results["router_select_us"] = router_select_us(workload)
     print(f"router: {results['router_select_us']:.0f} us per cache-aware select + finished")
     print("wrote", write_result("dp_routing", results))

@@ -338,9 +338,9 @@ class RequestFront:
                     continue  # already failed, or not ours
                 p.update(out, i)
                 ended = p.done and self._pending.pop(rid, None) is p
-            p.publish()
-            if ended:
+            if ended:  # before the caller can see the end: it may read the router's loads next
                 self.router.finished(p.replica)
+            p.publish()
 
     def fail(self, error: str, *, replica: int | None = None, message: str | None = None) -> None:
         """Replica ``replica`` (None: the whole backend) is gone: refuse new work from now on and end its
@@ -352,8 +352,8 @@ class RequestFront:
                 del self._pending[p.rid]
         for p in gone:
             p.fail(message or error)
-            p.publish()
             self.router.finished(p.replica)
+            p.publish()
 
     def _forget(self, p: Pending) -> None:
         with self._lock:
