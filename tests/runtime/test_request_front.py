@@ -100,7 +100,7 @@ def test_sync_generate_routes_waits_and_finishes_in_the_router():
 
 
 def test_asyncio_generate_and_stream_are_the_same_front():
-    front, transport = _front()
+    front, _ = _front()
 
     async def main():
         out = await front.agenerate("ab", {"max_new_tokens": 2}, rid="r1")

@@ -108,8 +108,8 @@ class Engine:
 
         ``stream=True`` (one prompt, n=1) submits now and returns an iterator of snapshots.
         """
-        opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, rid=rid)
+        opts: dict[str, Any] = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                                "top_logprobs_num": top_logprobs_num, "rid": rid}
         if stream:
             return self.front.stream(prompt, sampling_params, input_ids, **opts)  # type: ignore[arg-type]
         return self.front.generate(prompt, sampling_params, input_ids, **opts)

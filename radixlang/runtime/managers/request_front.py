@@ -31,7 +31,8 @@ import logging
 import queue
 import threading
 import uuid
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from radixlang.runtime.dp.replica_states import merge_states
 from radixlang.runtime.dp.router import Router

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -45,7 +46,7 @@ class ZmqTransport:
         self._ctx = zmq.Context()  # sends: PUSH with no high-water mark never blocks the loop
         self._actx = zmq.asyncio.Context()
         self._send = [push_socket(self._ctx, self.ipc.scheduler(i)) for i in range(self.num_replicas)]
-        return pull_socket(self._actx, self.ipc.tokenizer_manager)
+        return cast(zmq.asyncio.Socket, pull_socket(self._actx, self.ipc.tokenizer_manager))
 
     def close(self) -> None:
         if self._send:
