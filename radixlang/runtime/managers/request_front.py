@@ -411,7 +411,7 @@ class RequestFront:
             if not out.ok:
                 leaks.append(f"replica {i}: {out.message}")
         if leaks:
-            raise AssertionError("; ".join(leaks))
+            raise RuntimeError("; ".join(leaks))
 
     def flush_cache(self) -> bool:
         """Flush every replica's radix cache (and the router's copy of it); False if one refused (busy)."""
@@ -422,7 +422,7 @@ class RequestFront:
         return self._info(self.transport.control(self._messages(lambda cid: GetInternalStateReq(rid=cid))))
 
     def check_memory_leak(self) -> None:
-        """Raise AssertionError naming each replica whose KV slots do not add up."""
+        """Raise RuntimeError naming each replica whose KV slots do not add up."""
         self._leaks(self.transport.control(self._messages(lambda cid: CheckMemoryLeakReq(rid=cid))))
 
     async def aflush_cache(self) -> bool:
