@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) whose attention runs through the AttentionBackend.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) whose attention runs through the AttentionBackend.
+
+The options these families differ by are read from the config: q/k/v bias (``attention_bias``, always
+on for Qwen2), a per-head RMSNorm of q and k before the rotation (Qwen3, ``qk_norm``), a sliding window
+on the layers ``layer_types`` marks ``sliding_attention`` (or on every layer when a config sets
+``sliding_window`` without ``layer_types``, as Mistral's does). The family files subclass this one.
 
 q/k/v and gate/up are fused into one matmul each: on a CPU at batch 1 the
 number of ops per layer matters as much as their size. With a tensor-parallel
@@ -8,8 +13,7 @@ without one the layers are the plain torch modules.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -17,56 +21,12 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
+from radixlang.runtime.models.layers.attention_config import layer_sliding_window
+from radixlang.runtime.models.layers.norm import RMSNorm
+from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, rope_tables
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.fused = False  # the compiled CPU kernels (float32 on the CPU; see kernels/cpu)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dim() == 2:
-            return cpu_ops.rms_norm(x, self.weight, self.eps, check=x.dtype != torch.float32)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); residual None means x starts the stream."""
-        if residual is None:
-            return self(x), x
-        if self.fused:  # one pass, in place: x is the sublayer's fresh output and residual is ours
-            x = x.contiguous()
-            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps, check=x.dtype != torch.float32)
-            return x, residual
-        residual = x + residual
-        return self(residual), residual
-
-
-def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
-    # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs use the flat fields
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    scaling = params or getattr(config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind in ("default", None):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
@@ -82,7 +42,12 @@ def _row_linear(in_features: int, out_features: int, tp: TPComm | None) -> nn.Li
     return RowParallelLinear(in_features, out_features, tp=tp)
 
 
+_apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel with
+
+
 class Attention(nn.Module):
+    qk_norm = False  # Qwen3: RMSNorm over each head of q and of k before the rotation
+
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -98,6 +63,13 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # read by the attention backend (kernels/attention/base.py: layer_features)
+        self.sliding_window = layer_sliding_window(config, layer_id)
+        self.logit_softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [num_tokens, hidden] -> [num_tokens, heads * head_dim]."""
@@ -105,33 +77,17 @@ class Attention(nn.Module):
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
         qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # in place: qk is a view of qkv, which v is read from below
+            qk[:, :self.num_heads] = self.q_norm(qk[:, :self.num_heads])
+            qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
         if rope.cos is None:  # the compiled CPU kernel rotates them in place inside qkv
             cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check=False)
         else:
-            qk = _apply_rope(qk, rope.cos, rope.sin)
+            qk = apply_rope(qk, rope.cos, rope.sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
         return out.reshape(n, self.q_size)
-
-
-class Rotary(NamedTuple):
-    """One forward's rotary inputs: the tables and positions, and for the torch path each token's rows
-    (cos, signed sin [num_tokens, 1, head_dim]); cos None means the compiled kernel rotates in place."""
-    positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF Llama's rotate_half layout: x*cos + cat(-x2, x1)*sin, written as x*cos + roll(x)*signed_sin
-    with signed_sin = cat(-sin_half, sin_half), which gives the same numbers in fewer ops.
-
-    x [n, heads, head_dim]; cos, signed_sin [n, 1, head_dim]
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class MLP(nn.Module):
@@ -154,9 +110,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: type[Attention] = Attention
+
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id, tp)
+        self.self_attn = self.attention_cls(config, layer_id, tp)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -192,6 +150,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp: TPComm | None = None) -> None:
         super().__init__()
@@ -200,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
                              else VocabParallelEmbedding(vocab, hidden, tp=tp))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -211,13 +171,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
-        inv_freq = _rope_inv_freq(config, self.head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)  # [max_pos, head_dim]
-        sin = emb.sin()
-        sin[:, :self.head_dim // 2] *= -1  # signed for _apply_rope's roll
-        self.register_buffer("signed_sin_cache", sin.to(dtype), persistent=False)
+        cos, signed_sin = rope_tables(config, self.head_dim, max_pos)
+        self.register_buffer("cos_cache", cos.to(dtype), persistent=False)  # [max_pos, head_dim]
+        self.register_buffer("signed_sin_cache", signed_sin.to(dtype), persistent=False)
         self.cpu_kernels = False  # see use_cpu_kernels
         self.to(dtype=dtype, device=device)
         self.requires_grad_(False)
