@@ -95,3 +95,19 @@ def test_engine_alone_batched_and_cached_prefix_match_transformers(family):
 
 def _tokens(out: dict) -> list[int]:
     return list(out["output_ids"])
+
+
+def test_backend_without_a_feature_is_refused_naming_both(tmp_path):
+    from radixlang.kernels.attention.base import AttentionBackend
+    from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
+    from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+    from radixlang.runtime.models.layers.attention_config import attention_features, check_backend_features
+    arch, overrides = FAMILIES["mistral_sliding"]
+    sliding = load_model(save_tiny_hf_model(str(tmp_path / "s"), arch, **overrides)).model
+    plain = load_model(save_tiny_hf_model(str(tmp_path / "p"), "LlamaForCausalLM")).model
+    assert attention_features(sliding) == {"sliding_window"} and attention_features(plain) == set()
+    with pytest.raises(ValueError, match="sliding_window.*'flashinfer' attention backend"):
+        check_backend_features(sliding, AttentionBackend(), "flashinfer")
+    check_backend_features(plain, AttentionBackend(), "flashinfer")
+    for cls in (TorchNativeAttnBackend, CpuAttnBackend):  # the CPU one through the torch fallback
+        assert {"sliding_window", "logit_softcap", "sinks"} <= cls.supported_features

@@ -17,6 +17,7 @@ from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.models.layers.attention_config import check_backend_features
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.packed import pack_model_
@@ -87,6 +88,7 @@ class ModelRunner:
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype)
+        check_backend_features(self.model, self.attn_backend, args.attention_backend)
         logger.info("model %s: %d layers, kv pool %d tokens, context %d, attention %s%s",
                     self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens, self.context_len,
                     args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from radixlang.kernels.attention.base import layer_features
+
 
 def layer_sliding_window(config: Any, layer_id: int) -> int | None:
     """The layer's window in tokens (a query sees the keys less than that many positions back), or None.
@@ -18,3 +22,20 @@ def layer_sliding_window(config: Any, layer_id: int) -> int | None:
     if kinds is None:
         return int(window)
     return int(window) if kinds[layer_id] == "sliding_attention" else None
+
+
+def attention_features(model: nn.Module) -> frozenset[str]:
+    """Every optional attention feature (sliding window, soft-cap, sinks) some layer of the model uses."""
+    found: set[str] = set()
+    for m in model.modules():
+        if hasattr(m, "layer_id") and hasattr(m, "scaling"):
+            found |= layer_features(m)
+    return frozenset(found)
+
+
+def check_backend_features(model: nn.Module, backend: Any, backend_name: str) -> None:
+    """A ValueError naming the feature and the backend when the backend cannot serve the model."""
+    missing = attention_features(model) - frozenset(getattr(backend, "supported_features", ()))
+    if missing:
+        raise ValueError(f"the model's attention uses {', '.join(sorted(missing))}, which the {backend_name!r} "
+                         f"attention backend does not support; use --attention-backend torch")
