@@ -22,6 +22,12 @@ FAMILIES = {
     "mistral_sliding": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3_sliding": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    # softcaps small enough to bite on random weights; layers alternate sliding / full
+    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
+                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 PROMPTS = ([1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88],
            list(range(300, 321)),

@@ -23,7 +23,7 @@ from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
 from radixlang.runtime.models.layers.norm import RMSNorm
-from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, rope_tables
+from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, partial_rotary_factor, rope_tables
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
@@ -46,7 +46,7 @@ _apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel w
 
 
 class Attention(nn.Module):
-    qk_norm = False  # Qwen3: RMSNorm over each head of q and of k before the rotation
+    qk_norm = False  # Qwen3, Gemma3: RMSNorm over each head of q and of k before the rotation
 
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
@@ -57,7 +57,8 @@ class Attention(nn.Module):
         # the heads this rank holds
         self.num_heads, self.num_kv_heads = ((total_heads, total_kv_heads) if tp is None
                                              else kv_heads_per_rank(total_heads, total_kv_heads, tp.size))
-        self.scaling = self.head_dim ** -0.5
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+        self.scaling = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
@@ -68,7 +69,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # read by the attention backend (kernels/attention/base.py: layer_features)
         self.sliding_window = layer_sliding_window(config, layer_id)
-        self.logit_softcap: float | None = None
+        self.logit_softcap: float | None = getattr(config, "attn_logit_softcapping", None) or None
         self.sinks: torch.Tensor | None = None
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
@@ -82,12 +83,22 @@ class Attention(nn.Module):
             qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
         if rope.cos is None:  # the compiled CPU kernel rotates them in place inside qkv
             cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check=False)
-        else:
+        elif rope.cos.shape[-1] == self.head_dim:
             qk = apply_rope(qk, rope.cos, rope.sin)
+        else:  # partial rotary: only the first rotary_dim features of each head turn
+            r = rope.cos.shape[-1]
+            qk = torch.cat([apply_rope(qk[..., :r], rope.cos, rope.sin), qk[..., r:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
         return out.reshape(n, self.q_size)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
 
 
 class MLP(nn.Module):
@@ -98,12 +109,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+        self.act_name = act
+        self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self._fused(x)
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
@@ -151,6 +167,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
+    embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
 
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp: TPComm | None = None) -> None:
@@ -171,9 +188,16 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
-        cos, signed_sin = rope_tables(config, self.head_dim, max_pos)
-        self.register_buffer("cos_cache", cos.to(dtype), persistent=False)  # [max_pos, head_dim]
-        self.register_buffer("signed_sin_cache", signed_sin.to(dtype), persistent=False)
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
+        # one rotary table per kind of layer (Gemma3's sliding layers use another theta): layer i uses
+        # table layer_rope[i]; table 0 is (cos_cache, signed_sin_cache), [max_pos, rotary_dim]
+        tables, self.layer_rope = self.rope_tables(config, max_pos)
+        self.rotary_dim = tables[0][0].shape[1]
+        for t, (cos, signed_sin) in enumerate(tables):
+            suffix = "" if t == 0 else f"_{t}"
+            self.register_buffer("cos_cache" + suffix, cos.to(dtype), persistent=False)
+            self.register_buffer("signed_sin_cache" + suffix, signed_sin.to(dtype), persistent=False)
+        self.num_rope_tables = len(tables)
         self.cpu_kernels = False  # see use_cpu_kernels
         self.to(dtype=dtype, device=device)
         self.requires_grad_(False)
@@ -188,18 +212,28 @@ class LlamaForCausalLM(nn.Module):
         logits of its last token, while every token's k and v (written before attention) are still
         cached. On SmolLM2 (30 layers) that skips ~3% of a prefill's matmul work."""
         x = self.embed_tokens(input_ids)
-        if self.cpu_kernels:
-            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_cache.shape[0]):
-                raise ValueError(f"positions must lie in [0, {self.cos_cache.shape[0]})")
-            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, None, None)
-        else:
-            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, self.cos_cache[positions][:, None, :],
-                          self.signed_sin_cache[positions][:, None, :])
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = [self._rotary(positions, t) for t in range(self.num_rope_tables)]
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, forward_batch, keep_rows if i == last else None)
+            x, residual = layer(x, residual, ropes[self.layer_rope[i]], forward_batch, keep_rows if i == last else None)
         return self.norm.add_norm(x, residual)[0]
+
+    def rope_tables(self, config: Any, max_pos: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """The rotary tables and which one each layer uses (one table for every layer here)."""
+        rotary_dim = int(self.head_dim * partial_rotary_factor(config))
+        return [rope_tables(config, rotary_dim, max_pos)], [0] * config.num_hidden_layers
+
+    def _rotary(self, positions: torch.Tensor, table: int) -> Rotary:
+        suffix = "" if table == 0 else f"_{table}"
+        cos, sin = getattr(self, "cos_cache" + suffix), getattr(self, "signed_sin_cache" + suffix)
+        if self.cpu_kernels:
+            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+                raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
+            return Rotary(positions, cos, sin, None, None)
+        return Rotary(positions, cos, sin, cos[positions][:, None, :], sin[positions][:, None, :])
 
     def use_cpu_kernels(self) -> bool:
         """Run the layers' small ops (norms with the residual add, rotary, SiLU-and-multiply) through
@@ -208,18 +242,29 @@ class LlamaForCausalLM(nn.Module):
         if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
             return False
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)):
+            if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu"):
                 m.fused = True
-        self.cpu_kernels = True
+        self.cpu_kernels = self.rotary_dim == self.head_dim  # the rotary kernel turns whole heads only
         return True
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(hidden)
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.tp is not None:
             return self.embed_tokens.logits(hidden).float()  # gathered over the ranks: [n, vocab]
         return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A hook for families whose checkpoint stores a tensor differently (Gemma's norms as w for 1 + w)."""
+        return tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up.
@@ -234,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
+            tensor = self.checkpoint_tensor(name, tensor)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")

@@ -5,6 +5,8 @@ from typing import Any
 
 from torch import nn
 
+from radixlang.runtime.models.gemma2 import Gemma2ForCausalLM
+from radixlang.runtime.models.gemma3 import Gemma3ForCausalLM
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.mistral import MistralForCausalLM
 from radixlang.runtime.models.qwen2 import Qwen2ForCausalLM
@@ -16,6 +18,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

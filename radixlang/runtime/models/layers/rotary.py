@@ -14,9 +14,17 @@ import torch
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config: Any) -> dict:
-    """transformers >= 5 keeps theta and scaling in ``rope_parameters``; older configs use flat fields."""
+def partial_rotary_factor(config: Any) -> float:
+    return float(rope_parameters(config).get("partial_rotary_factor")
+                 or getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
+    """transformers >= 5 keeps theta and scaling in ``rope_parameters`` (per layer type for Gemma3:
+    {"full_attention": {...}, "sliding_attention": {...}}); older configs use flat fields."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = dict(params[layer_type or "full_attention"])
     old = getattr(config, "rope_scaling", None) or {}
     for k, v in old.items():
         params.setdefault(k, v)
@@ -24,9 +32,9 @@ def rope_parameters(config: Any) -> dict:
     return params
 
 
-def rope_inv_freq(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: Any, rotary_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim / 2] float64, attention factor the tables are scaled by)."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     theta = float(params["rope_theta"])
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
@@ -76,9 +84,10 @@ def _yarn(params: dict, inv_freq: torch.Tensor, dim: int, theta: float, config: 
     return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attn)
 
 
-def rope_tables(config: Any, rotary_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: Any, rotary_dim: int, max_pos: int,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) [max_pos, rotary_dim] float64: rows of rotate_half's layout for ``apply_rope``."""
-    inv_freq, attn_factor = rope_inv_freq(config, rotary_dim)
+    inv_freq, attn_factor = rope_inv_freq(config, rotary_dim, layer_type)
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin() * attn_factor
