@@ -28,6 +28,13 @@ FAMILIES = {
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # fused qkv / gate_up in the checkpoint, longrope with partial rotary, a window
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64, original_max_position_embeddings=32,
+                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.75,
+                                                      "original_max_position_embeddings": 32,
+                                                      "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                                                      "long_factor": [2.0 + i for i in range(6)]})),
 }
 PROMPTS = ([1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88],
            list(range(300, 321)),

@@ -9,6 +9,7 @@ from radixlang.runtime.models.gemma2 import Gemma2ForCausalLM
 from radixlang.runtime.models.gemma3 import Gemma3ForCausalLM
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.mistral import MistralForCausalLM
+from radixlang.runtime.models.phi3 import Phi3ForCausalLM
 from radixlang.runtime.models.qwen2 import Qwen2ForCausalLM
 from radixlang.runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -1,7 +1,9 @@
 """Rotary position embeddings: the inverse frequencies of each scaling rule transformers implements,
 the cos / signed-sin tables and the torch rotation (the compiled CPU kernel reads the same tables).
 
-Rules: default, linear, llama3, yarn. ``dynamic`` (NTK scaling that changes with the sequence length)
+Rules: default, linear, llama3, yarn, longrope (Phi-3: positions before the original context use the
+short factors, later ones the long factors; transformers switches the whole sequence to the long
+factors once it is longer, which a cache of already-rotated keys cannot follow, as in vLLM and SGLang). ``dynamic`` (NTK scaling that changes with the sequence length)
 is refused: a cached prefix would have been rotated under another length's table.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def partial_rotary_factor(config: Any) -> float:
@@ -53,6 +55,8 @@ def rope_inv_freq(config: Any, rotary_dim: int, layer_type: str | None = None) -
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
     if kind == "yarn":
         return _yarn(params, inv_freq, rotary_dim, theta, config)
+    if kind == "longrope":
+        return _longrope(params, inv_freq, config, long=False)
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
 
 
@@ -84,15 +88,41 @@ def _yarn(params: dict, inv_freq: torch.Tensor, dim: int, theta: float, config: 
     return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attn)
 
 
+def _longrope(params: dict, inv_freq: torch.Tensor, config: Any, *, long: bool) -> tuple[torch.Tensor, float]:
+    old_ctx = float(params.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings"))
+    factor = params.get("factor") or getattr(config, "max_position_embeddings") / old_ctx
+    attn = params.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    ext = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float64)
+    return inv_freq / ext, float(attn)
+
+
+def _table(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(positions.to(torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin() * attn_factor
+    sin[:, :inv_freq.shape[0]] *= -1  # signed for apply_rope's roll
+    return emb.cos() * attn_factor, sin
+
+
 def rope_tables(config: Any, rotary_dim: int, max_pos: int,
                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) [max_pos, rotary_dim] float64: rows of rotate_half's layout for ``apply_rope``."""
     inv_freq, attn_factor = rope_inv_freq(config, rotary_dim, layer_type)
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin() * attn_factor
-    sin[:, :rotary_dim // 2] *= -1  # signed for apply_rope's roll
-    return emb.cos() * attn_factor, sin
+    positions = torch.arange(max_pos)
+    cos, sin = _table(inv_freq, attn_factor, positions)
+    params = rope_parameters(config, layer_type)
+    if params.get("rope_type", params.get("type")) == "longrope":
+        old_ctx = int(params.get("original_max_position_embeddings")
+                      or getattr(config, "original_max_position_embeddings"))
+        if max_pos > old_ctx:
+            theta = float(params["rope_theta"])
+            base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+            long_freq, _ = _longrope(params, base, config, long=True)
+            cos[old_ctx:], sin[old_ctx:] = _table(long_freq, attn_factor, positions[old_ctx:])
+    return cos, sin
 
 
 class Rotary(NamedTuple):
