@@ -35,6 +35,13 @@ FAMILIES = {
                                                       "original_max_position_embeddings": 32,
                                                       "short_factor": [1.0 + 0.3 * i for i in range(6)],
                                                       "long_factor": [2.0 + i for i in range(6)]})),
+    # MoE: more experts than top-k; routers drawn large enough that tokens spread unevenly
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                              mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                              norm_topk_prob=True, decoder_sparse_step=1)),
 }
 PROMPTS = ([1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88],
            list(range(300, 321)),
@@ -124,3 +131,42 @@ def test_backend_without_a_feature_is_refused_naming_both(tmp_path):
     check_backend_features(plain, AttentionBackend(), "flashinfer")
     for cls in (TorchNativeAttnBackend, CpuAttnBackend):  # the CPU one through the torch fallback
         assert {"sliding_window", "logit_softcap", "sinks"} <= cls.supported_features
+
+
+def test_moe_dispatch_spreads_tokens_unevenly_one_matmul_per_expert(family, monkeypatch):
+    """Each expert's tokens go through one matmul pair; the test checkpoints route unevenly."""
+    from radixlang.runtime.models.layers import moe
+    name, folder, _ = family
+    if "moe" not in name and name != "mixtral":
+        pytest.skip("dense family")
+    model = load_model(folder).model
+    calls: list[tuple[int, int, list[int]]] = []  # (tokens, top_k, tokens per expert)
+    inside: list[bool] = []
+    linear_rows: list[int] = []
+    real_linear = moe.F.linear
+
+    def linear(x, w, *args):
+        if inside:
+            linear_rows.append(x.shape[0])
+        return real_linear(x, w, *args)
+
+    real = moe.Experts.forward
+
+    def record(self, x, weights, ids):
+        calls.append((x.shape[0], ids.shape[1], torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()))
+        inside.append(True)
+        try:
+            return real(self, x, weights, ids)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(moe.F, "linear", linear)
+    monkeypatch.setattr(moe.Experts, "forward", record)
+    _run_ours(model, PROMPTS[1])
+    assert calls
+    for n, k, counts in calls:
+        assert len(counts) > k and sum(counts) == n * k
+        assert max(counts) > min(counts), counts  # uneven
+    busy = [c for _, _, counts in calls for c in counts if c]
+    # gate/up and down once per expert with tokens, over all of its tokens: never once per token
+    assert sorted(linear_rows) == sorted(busy * 2)

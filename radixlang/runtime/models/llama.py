@@ -22,6 +22,7 @@ from torch import nn
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
+from radixlang.runtime.models.layers.moe import Experts, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, partial_rotary_factor, rope_tables
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
@@ -36,10 +37,10 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
     split_evenly(config.intermediate_size, tp_size, "intermediate (MLP) features")
 
 
-def _row_linear(in_features: int, out_features: int, tp: TPComm | None) -> nn.Linear:
+def _row_linear(in_features: int, out_features: int, tp: TPComm | None, *, bias: bool = False) -> nn.Linear:
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=False)
-    return RowParallelLinear(in_features, out_features, tp=tp)
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, tp=tp, bias=bias)
 
 
 _apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel with
@@ -61,9 +62,11 @@ class Attention(nn.Module):
         self.scaling = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # Qwen2 (qkv_bias in Qwen2-MoE's config) biases q/k/v only; attention_bias also biases o_proj
+        o_bias = bool(getattr(config, "attention_bias", False))
+        bias = o_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
+        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -102,9 +105,9 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _g
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None, *, intermediate_size: int | None = None) -> None:
         super().__init__()
-        full = config.intermediate_size
+        full = intermediate_size or config.intermediate_size
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
@@ -131,10 +134,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_id, tp)
-        self.mlp = MLP(config, tp)
+        self.mlp = self.make_mlp(config, layer_id, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
+
+    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
+        """The layer's feed-forward block (the MoE families return their sparse block)."""
+        return MLP(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
                 forward_batch: Any, keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +160,7 @@ class DecoderLayer(nn.Module):
         # from the output projection through the down projection instead of going out to memory and
         # back, and no slice outputs are concatenated. The fused norm updates its rows of residual in
         # place, so the residual it returns is a view of ours
-        out = x.new_empty(n, self.mlp.down_proj.out_features)
+        out = x.new_empty(n, residual.shape[1])
         for i in range(0, n, packed.CHUNK_ROWS):
             rows = slice(i, i + packed.CHUNK_ROWS)
             out[rows] = self._after_attention(x[rows], residual[rows])[0]
@@ -242,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
         if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
             return False
         for m in self.modules():
-            if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu"):
+            if (isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu")
+                    or (isinstance(m, Experts) and m.act_is_silu)):
                 m.fused = True
         self.cpu_kernels = self.rotary_dim == self.head_dim  # the rotary kernel turns whole heads only
         return True
@@ -262,6 +270,10 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.logits(hidden).float()  # gathered over the ranks: [n, vocab]
         return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
 
+    def checkpoint_name(self, name: str) -> str:
+        """A hook for families whose checkpoint names a module differently (Mixtral's block_sparse_moe)."""
+        return name
+
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A hook for families whose checkpoint stores a tensor differently (Gemma's norms as w for 1 + w)."""
         return tensor
@@ -276,10 +288,12 @@ class LlamaForCausalLM(nn.Module):
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         seen: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = self.checkpoint_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
             tensor = self.checkpoint_tensor(name, tensor)
+            if load_expert_weight(name, tensor, params, seen):
+                continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")
@@ -288,8 +302,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join(parts[:-2] + [target, parts[-1]])
+                if pname not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
                 param = params[pname]
-                offset, size = self._shard_range(target, shard)
+                offset, size = self._shard_range(target, shard, param)
                 param.data[offset:offset + size].copy_(tensor)
                 seen.add(f"{pname}:{shard}")
                 continue
@@ -297,15 +313,20 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             params[name].data.copy_(tensor)
             seen.add(name)
-        missing = [n for n in params if n not in seen and not any(s.startswith(n + ":") for s in seen)]
+        loaded_parts: dict[str, int] = {}
+        for key in seen:
+            if ":" in key:
+                pname = key.split(":", 1)[0]
+                loaded_parts[pname] = loaded_parts.get(pname, 0) + 1
+        missing = [n for n in params if n not in seen and loaded_parts.get(n, 0) < _parts_expected(n, params[n])]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
-    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+    def _shard_range(self, target: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if target == "qkv_proj":
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = self.layers[0].mlp.inter
+        inter = param.shape[0] // 2  # this MLP's (a shared expert's may differ from the layers')
         return (shard * inter, inter)
 
     def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -322,3 +343,17 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
+
+
+def _parts_expected(name: str, param: torch.Tensor) -> int:
+    """How many checkpoint tensors fill a parameter loaded piece by piece (fused or stacked)."""
+    if name.endswith("experts.w13"):
+        return 2 * param.shape[0]
+    if name.endswith("experts.w2"):
+        return param.shape[0]
+    if ".qkv_proj." in name:
+        return 3
+    if ".gate_up_proj." in name:
+        return 2
+    return 1
+

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from radixlang.runtime.models.gguf_convert import ensure_converted
+from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
 
@@ -135,10 +136,9 @@ def random_weights(config: Any, seed: int):
     q/k/v and gate/up tensors are cut into their checkpoint pieces; each rank slices what it holds.
     """
     with torch.device("meta"):
-        full = model_class(config)(config, device="meta")
-    attn, inter = full.layers[0].self_attn, full.layers[0].mlp.inter
+        model = model_class(config)(config, device="meta")
     gen = torch.Generator().manual_seed(seed)
-    for name, p in full.named_parameters():
+    for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             yield name, torch.ones(p.shape)
             continue
@@ -149,9 +149,13 @@ def random_weights(config: Any, seed: int):
         prefix, _, leaf = name.rpartition(".")
         owner, _, kind = prefix.rpartition(".")
         if kind == "qkv_proj":
+            attn = model.get_submodule(owner)
             pieces = t.split([attn.q_size, attn.kv_size, attn.kv_size])
             yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("q_proj", "k_proj", "v_proj"), pieces))
         elif kind == "gate_up_proj":
-            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), t.split(inter)))
+            gate_up = t.split(t.shape[0] // 2)
+            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), gate_up))
+        elif prefix.endswith(".experts"):
+            yield from expert_checkpoint_tensors(name, t, ("gate_proj", "up_proj", "down_proj"))
         else:
             yield name, t

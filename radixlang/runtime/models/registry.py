@@ -9,9 +9,12 @@ from radixlang.runtime.models.gemma2 import Gemma2ForCausalLM
 from radixlang.runtime.models.gemma3 import Gemma3ForCausalLM
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.mistral import MistralForCausalLM
+from radixlang.runtime.models.mixtral import MixtralForCausalLM
 from radixlang.runtime.models.phi3 import Phi3ForCausalLM
 from radixlang.runtime.models.qwen2 import Qwen2ForCausalLM
+from radixlang.runtime.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixlang.runtime.models.qwen3 import Qwen3ForCausalLM
+from radixlang.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Llama derivatives that differ from it only by config values load as Llama
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -22,6 +25,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
