@@ -170,3 +170,18 @@ def test_moe_dispatch_spreads_tokens_unevenly_one_matmul_per_expert(family, monk
     busy = [c for _, _, counts in calls for c in counts if c]
     # gate/up and down once per expert with tokens, over all of its tokens: never once per token
     assert sorted(linear_rows) == sorted(busy * 2)
+
+
+def test_kv_pool_sized_from_real_per_token_bytes_and_reported(tmp_path):
+    from radixlang import Engine
+    from radixlang.runtime.mem_cache.memory_pool import TokenToKVPool
+    pool = TokenToKVPool(10, num_layers=2, num_kv_heads=0, head_dim=0, dtype=torch.float32, device="cpu",
+                         layer_shapes=[(2, 16), (1, 64)])
+    assert [tuple(pool.get_key_buffer(i).shape) for i in range(2)] == [(11, 2, 16), (11, 1, 64)]
+    assert pool.per_token_bytes == 2 * (2 * 16 + 64) * 4 and pool.total_bytes == 11 * pool.per_token_bytes
+    folder = save_tiny_hf_model(str(tmp_path / "q3"), "Qwen3ForCausalLM")
+    with Engine(model_path=folder, max_total_tokens=1000) as engine:
+        mem = engine.get_server_info()["memory"]
+    # 3 layers x 2 kv heads x 16 dims, k and v, float32 on the CPU
+    assert mem["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4
+    assert mem["kv_total_bytes"] == 1001 * mem["kv_bytes_per_token"] and mem["kv_total_tokens"] == 1000

@@ -228,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, ropes[self.layer_rope[i]], forward_batch, keep_rows if i == last else None)
         return self.norm.add_norm(x, residual)[0]
 
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """Each layer's (kv heads on this rank, head_dim): what the KV pool holds per token and layer."""
+        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+
     def rope_tables(self, config: Any, max_pos: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
         """The rotary tables and which one each layer uses (one table for every layer here)."""
         rotary_dim = int(self.head_dim * partial_rotary_factor(config))
