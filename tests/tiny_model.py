@@ -99,7 +99,9 @@ def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, **overrides) -> s
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith(".gate.weight"):  # an MoE router: decisive, so tokens spread unevenly
+            elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: decisive, uneven spread
                 p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # attention sinks large enough to take real probability mass
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return path

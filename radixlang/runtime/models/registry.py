@@ -7,6 +7,7 @@ from torch import nn
 
 from radixlang.runtime.models.gemma2 import Gemma2ForCausalLM
 from radixlang.runtime.models.gemma3 import Gemma3ForCausalLM
+from radixlang.runtime.models.gpt_oss import GptOssForCausalLM
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.mistral import MistralForCausalLM
 from radixlang.runtime.models.mixtral import MixtralForCausalLM
@@ -28,6 +29,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

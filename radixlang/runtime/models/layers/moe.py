@@ -22,6 +22,12 @@ _PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3":
          "down_proj": ("w2", None), "w2": ("w2", None)}
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k logits, then a softmax over those k (GPT-OSS). logits [n, E] -> (weights [n, k], ids [n, k])."""
+    top, ids = logits.topk(top_k, dim=-1)
+    return top.softmax(-1), ids
+
+
 def route_softmax_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts (in float32), then the top k; ``renormalize``: the k weights sum to 1
     (Mixtral always, Qwen when ``norm_topk_prob``). logits [n, E] -> (weights [n, k] f32, ids [n, k] i64)."""
@@ -45,28 +51,38 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]."""
-        n, k = ids.shape
-        flat = ids.reshape(-1)  # [n * k]: pair p is token p // k
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k
-        xs = x.index_select(0, tokens)  # [n * k, hidden], grouped by expert
-        out = torch.empty_like(xs)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            h = F.linear(xs[rows], self.w13[e])  # [count, 2 * inter]
-            if self.fused:
-                h = cpu_ops.silu_mul(h.contiguous(), check=False)
-            else:
-                gate, up = h.split(self.inter, dim=-1)
-                h = self.act(gate) * up
-            out[rows] = F.linear(h, self.w2[e])
+        return dispatch(x, weights, ids, self.num_experts, self._expert)
+
+    def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = F.linear(xs, self.w13[e])  # [count, 2 * inter]
+        if self.fused:
+            h = cpu_ops.silu_mul(h.contiguous(), check=False)
+        else:
+            gate, up = h.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        return F.linear(h, self.w2[e])
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+             expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sort the (token, expert) pairs by expert, run ``expert(e, its tokens' rows)`` once per expert with
+    tokens, and sum the outputs back per token weighted by the routing weights.
+
+    x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # [n * k]: pair p is token p // k
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    xs = x.index_select(0, tokens)  # [n * k, hidden], grouped by expert
+    out = torch.empty_like(xs)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            out[start:start + count] = expert(e, xs[start:start + count])
             start += count
-        out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
-        return x.new_zeros(n, x.shape[1]).index_add_(0, tokens, out)
+    out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
+    return x.new_zeros(n, x.shape[1]).index_add_(0, tokens, out)
 
 
 class SparseMoE(nn.Module):
