@@ -192,7 +192,8 @@ def test_hub_id_resolves_from_local_cache(tmp_path):
     assert out.stdout.split() == ["tiny-org/tiny-llama", "LlamaForCausalLM"]
     code_missing = "from radixlang.runtime.models.loader import load_model; load_model('tiny-org/absent')"
     out = subprocess.run([sys.executable, "-c", code_missing], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "'tiny-org/absent' is neither a local path nor in the Hugging Face cache" in out.stderr
+    assert out.returncode != 0
+    assert "'tiny-org/absent' is neither a local path nor in the Hugging Face cache" in out.stderr
 
 
 def test_loader_import_leaves_hub_offline_unset():

@@ -29,7 +29,8 @@ FAMILIES = {
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # fused qkv / gate_up in the checkpoint, longrope with partial rotary, a window
-    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64, original_max_position_embeddings=32,
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64,
+                                     original_max_position_embeddings=32,
                                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                       "partial_rotary_factor": 0.75,
                                                       "original_max_position_embeddings": 32,

@@ -40,6 +40,3 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return unit_offset_weight(tensor) if name.endswith("norm.weight") else tensor
-
-
-EntryClass = Gemma2ForCausalLM

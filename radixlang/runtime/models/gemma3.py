@@ -29,6 +29,3 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         tables = [rope_tables(config, rotary_dim, max_pos, "full_attention"),
                   rope_tables(config, rotary_dim, max_pos, "sliding_attention")]
         return tables, [1 if k == "sliding_attention" else 0 for k in kinds]
-
-
-EntryClass = Gemma3ForCausalLM

@@ -75,6 +75,3 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if getattr(config, "quantization_config", None):
             raise ValueError("GPT-OSS checkpoints quantized to MXFP4 are not supported; use a bf16 / fp32 one")
         super().__init__(config, tp=tp, **kw)
-
-
-EntryClass = GptOssForCausalLM

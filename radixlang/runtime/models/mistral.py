@@ -6,6 +6,3 @@ from radixlang.runtime.models.llama import LlamaForCausalLM
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass  # the window is read from the config by llama.Attention (layers/attention_config.py)
-
-
-EntryClass = MistralForCausalLM

@@ -29,6 +29,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def checkpoint_name(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")
-
-
-EntryClass = MixtralForCausalLM

@@ -14,6 +14,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if tp is not None:  # the fused checkpoint tensors would need cutting per head before the rank slice
             raise ValueError("Phi3ForCausalLM does not run with tensor parallelism yet (tp_size must be 1)")
         super().__init__(config, tp=tp, **kw)
-
-
-EntryClass = Phi3ForCausalLM

@@ -6,6 +6,3 @@ from radixlang.runtime.models.llama import LlamaForCausalLM
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     pass  # the bias (model_type qwen2) and the windows are read from the config by llama.Attention
-
-
-EntryClass = Qwen2ForCausalLM

@@ -40,6 +40,3 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         if tp is not None:
             raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet (tp_size must be 1)")
         super().__init__(config, tp=tp, **kw)
-
-
-EntryClass = Qwen2MoeForCausalLM

@@ -14,6 +14,3 @@ class Qwen3DecoderLayer(DecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
-
-
-EntryClass = Qwen3ForCausalLM

@@ -12,6 +12,3 @@ class Qwen3MoeDecoderLayer(Qwen2MoeDecoderLayer):
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
-
-
-EntryClass = Qwen3MoeForCausalLM

@@ -3,8 +3,9 @@ the cos / signed-sin tables and the torch rotation (the compiled CPU kernel read
 
 Rules: default, linear, llama3, yarn, longrope (Phi-3: positions before the original context use the
 short factors, later ones the long factors; transformers switches the whole sequence to the long
-factors once it is longer, which a cache of already-rotated keys cannot follow, as in vLLM and SGLang). ``dynamic`` (NTK scaling that changes with the sequence length)
-is refused: a cached prefix would have been rotated under another length's table.
+factors once it is longer, which a cache of already-rotated keys cannot follow, as in vLLM and SGLang).
+``dynamic`` (NTK scaling that changes with the sequence length) is refused: a cached prefix would have
+been rotated under another length's table.
 """
 from __future__ import annotations
 
