@@ -69,3 +69,39 @@ def tied_toy_model():
             self.lm_head = None
 
     return TiedToy()
+
+
+TINY_HF_CONFIG = dict(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, **overrides) -> str:
+    """A checkpoint folder saved by transformers' own ``arch`` class (e.g. "Qwen2ForCausalLM"): random
+    weights, 3 layers, hidden 96, 6 heads over 2 kv heads of 16 dims, norm weights away from their init
+    and random biases (so a dropped norm or bias shows up), the SmolLM2 tokenizer. ``overrides`` go to
+    the config (sliding windows, expert counts, ...)."""
+    import torch
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    src = smollm_dir()
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    cls = getattr(transformers, arch)
+    config = cls.config_class(**{**TINY_HF_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith((".gate.weight", ".router.weight")):  # an MoE router: decisive, uneven spread
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # attention sinks large enough to take real probability mass
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

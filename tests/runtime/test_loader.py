@@ -33,6 +33,9 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
+     "attention_factor": 1.3},
 ])
 def test_safetensors_folder_matches_transformers(tmp_path, rope_scaling):
     folder = make_tiny_safetensors_dir(str(tmp_path), rope_scaling=rope_scaling)
@@ -105,3 +108,98 @@ def test_converted_weights_equal_transformers_gguf_loading(smollm_path):
     ours = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).state_dict()
     for name, tensor in ours.items():
         assert torch.allclose(tensor, ref[name], atol=1e-6), name
+
+
+def _rewrite_safetensors(folder: str, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_or_unexpected_tensor_is_named(tmp_path):
+    folder = make_tiny_safetensors_dir(str(tmp_path / "a"))
+    _rewrite_safetensors(folder, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.down_proj\.weight"):
+        load_model(folder)
+    folder = make_tiny_safetensors_dir(str(tmp_path / "b"))
+    _rewrite_safetensors(folder, lambda t: t.update({"model.layers.0.extra_gate.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match=r"unexpected weight 'layers\.0\.extra_gate\.weight'"):
+        load_model(folder)
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    folder = make_tiny_model_dir(str(tmp_path))
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"FancyNewForCausalLM.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(folder, load_format="dummy")
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    """model.safetensors.index.json with several shards, as transformers writes a big model."""
+    from transformers import AutoModelForCausalLM as Auto
+    folder = make_tiny_safetensors_dir(str(tmp_path / "one"))
+    sharded = str(tmp_path / "sharded")
+    Auto.from_pretrained(folder, dtype=torch.float32).save_pretrained(sharded, max_shard_size="2MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(folder, name), os.path.join(sharded, name))
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    _assert_close(_run_ours(load_model(sharded).model, IDS), _hf(folder, IDS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_checkpoint_loads_into_model_dtype(tmp_path, dtype):
+    from transformers import AutoModelForCausalLM as Auto
+    folder = make_tiny_safetensors_dir(str(tmp_path / "fp32"))
+    half = str(tmp_path / "half")
+    Auto.from_pretrained(folder, dtype=dtype).save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(folder, name), os.path.join(half, name))
+    model = load_model(half, dtype=torch.float32).model
+    assert model.embed_tokens.weight.dtype == torch.float32
+    ref = Auto.from_pretrained(half, dtype=torch.float32).state_dict()
+    assert torch.equal(model.embed_tokens.weight, ref["model.embed_tokens.weight"])  # widened exactly
+
+
+def test_hub_id_resolves_from_local_cache(tmp_path):
+    """HF_HOME holds a snapshot laid out as huggingface_hub does; no network (HF_HUB_OFFLINE=1)."""
+    import subprocess
+    import sys
+    src = make_tiny_safetensors_dir(str(tmp_path / "src"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-llama"
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for name in os.listdir(src):  # the hub cache keeps blobs by hash and links them into the snapshot
+        blob = repo / "blobs" / f"blob-{name}"
+        os.link(os.path.join(src, name), blob)
+        os.symlink(os.path.relpath(blob, snap), snap / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    code = ("from radixlang.runtime.models.loader import load_model; m = load_model('tiny-org/tiny-llama'); "
+            "print(m.model_path); print(type(m.model).__name__)")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tiny-org/tiny-llama", "LlamaForCausalLM"]
+    code_missing = "from radixlang.runtime.models.loader import load_model; load_model('tiny-org/absent')"
+    out = subprocess.run([sys.executable, "-c", code_missing], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "'tiny-org/absent' is neither a local path nor in the Hugging Face cache" in out.stderr
+
+
+def test_loader_import_leaves_hub_offline_unset():
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    code = "import os, radixlang.runtime.models.loader; print(os.environ.get('HF_HUB_OFFLINE'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "None", out.stderr[-2000:]

@@ -59,8 +59,20 @@ class AttentionLayerLike(Protocol):
     scaling: float
 
 
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "sinks")
+
+
+def layer_features(layer: object) -> frozenset[str]:
+    """The optional attention features a layer uses: a layer may carry ``sliding_window`` (int tokens),
+    ``logit_softcap`` (float) and ``sinks`` ([num_heads] logits); absent or None means unused."""
+    return frozenset(f for f in ATTENTION_FEATURES if getattr(layer, f, None) is not None)
+
+
 class AttentionBackend:
     """Base class for attention backends.
+
+    ``supported_features``: which of ``ATTENTION_FEATURES`` the backend computes; the model runner
+    refuses at start a model whose layers need one it lacks, naming both.
 
     Invariants: q is [num_tokens, num_heads, head_dim], k and v are
     [num_tokens, num_kv_heads, head_dim], all in the model dtype on the model
@@ -69,6 +81,8 @@ class AttentionBackend:
     the scheduler owns the pools; the backend only writes the slots named by
     ``out_cache_loc`` and reads those named by ``req_to_token``.
     """
+
+    supported_features: frozenset[str] = frozenset()
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         raise NotImplementedError

@@ -9,7 +9,8 @@ kv head, as small register-blocked matrix products; 2-3x faster than the torch b
 and cascade paths on prefill and few-shot shapes. Head sizes the extend kernel does not take (not a
 multiple of 64) run the torch backend's extend. The new tokens' k/v are written with one copy per
 token. The default on the CPU whenever the kernels build here; ``attention_backend="torch"`` is the
-pure-PyTorch reference.
+pure-PyTorch reference. The kernels take no sliding window, soft-capping or sinks: layers using one run
+the torch backend's plain path (same pool, same metadata step).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self._ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # q_start, prefix, extend lens
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
+        self._plain_reqs = None  # built on first use by a layer the kernels cannot run
         decode = forward_batch.forward_mode.is_decode()
         if not decode and not self._extend_kernel:
             super().init_forward_metadata(forward_batch)

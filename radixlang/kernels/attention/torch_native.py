@@ -10,6 +10,10 @@ per request. This is what decodes (and one-token or short extends) use; at batch
 
 Requests that share nothing run as one padded group (decode) or, for multi-token extends, one causal
 SDPA each over prefix + new tokens; a fresh prompt attends over its own new k/v, with no gather.
+
+Layers with a sliding window, attention-logit soft-capping or attention sinks (``layer_features``) run a
+plain path instead: each request's scores over its whole cached context, masked by position, capped,
+and softmaxed with the sink logits as extra columns. That path is the reference for those features.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlang.kernels.attention.base import AttentionBackend, AttentionLayerLike, ForwardBatchLike
+from radixlang.kernels.attention.base import (AttentionBackend, AttentionLayerLike, ForwardBatchLike,
+                                              layer_features)
 
 MIN_SHARED = 16  # a shared run shorter than this is not worth its own group
 MAX_GROUPED_EXTEND = 64  # longer extends run one flash SDPA each (padding a group to them would cost more)
@@ -43,6 +48,8 @@ class _Group:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    supported_features = frozenset({"sliding_window", "logit_softcap", "sinks"})
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **_: object) -> None:
         self.num_heads = num_heads
@@ -53,11 +60,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._groups: list[_Group] = []
         # multi-token extends outside any group: (first token row, extend_len, kv slots or None = own k/v, mask)
         self._extend_reqs: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        # the plain path's per-request (first token row, new tokens, kv slots [total] int64, query positions)
+        self._plain_reqs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         seq_lens = forward_batch.seq_lens_cpu
         rows = forward_batch.req_to_token[forward_batch.req_pool_indices, :max(seq_lens)]  # [bs, max_len] int32
         bs = len(seq_lens)
+        self._plain_reqs = None  # built on first use by a layer with a window, soft-cap or sinks
         if forward_batch.forward_mode.is_decode():
             self._extend_reqs = []
             self._groups = _build_groups(rows, list(range(bs)), [s - 1 for s in seq_lens], [1] * bs,
@@ -88,6 +98,61 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q_pos = torch.arange(prefix_len, total, device=rows.device)[:, None]
                 mask = torch.arange(total, device=rows.device)[None, :] <= q_pos  # [extend_len, total] bool
             self._extend_reqs.append((starts[i], extend_len, loc, mask))
+
+    def _init_plain(self, forward_batch: ForwardBatchLike) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        seq_lens = forward_batch.seq_lens_cpu
+        rows = forward_batch.req_to_token[forward_batch.req_pool_indices, :max(seq_lens)]  # [bs, max_len] int32
+        if forward_batch.forward_mode.is_decode():
+            prefix_lens, extend_lens = [s - 1 for s in seq_lens], [1] * len(seq_lens)
+        else:
+            prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+        starts = _token_starts(extend_lens)
+        return [(starts[i], extend_lens[i], rows[i, :seq_lens[i]].to(torch.int64),
+                 torch.arange(prefix_lens[i], seq_lens[i], device=rows.device)) for i in range(len(seq_lens))]
+
+    def forward_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        """Attention with the layer's sliding window / soft-cap / sinks, one request at a time.
+
+        q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim] -> q's shape.
+        A key at position j is visible to the query at position i when j <= i and, with a window w,
+        i - j < w (transformers' sliding-window mask)."""
+        if self._plain_reqs is None:
+            self._plain_reqs = self._init_plain(forward_batch)
+        pool = forward_batch.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        window = getattr(layer, "sliding_window", None)
+        cap = getattr(layer, "logit_softcap", None)
+        sinks = getattr(layer, "sinks", None)  # [num_heads] logits, or None
+        qf = q.to(k_buf.dtype)
+        out = torch.empty_like(qf)
+        rep = layer.num_heads // layer.num_kv_heads
+        for start, extend_len, loc, q_pos in self._plain_reqs:
+            qi = qf[start:start + extend_len].transpose(0, 1)  # [num_heads, e, head_dim]
+            ki = k_buf.index_select(0, loc).transpose(0, 1).repeat_interleave(rep, dim=0)  # [num_heads, total, d]
+            vi = v_buf.index_select(0, loc).transpose(0, 1).repeat_interleave(rep, dim=0)
+            scores = torch.matmul(qi, ki.transpose(-1, -2)) * layer.scaling  # [num_heads, e, total]
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
+            k_pos = torch.arange(loc.shape[0], device=loc.device)
+            visible = k_pos[None, :] <= q_pos[:, None]  # [e, total]
+            if window:
+                visible &= q_pos[:, None] - k_pos[None, :] < window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, extend_len, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out[start:start + extend_len] = torch.matmul(probs, vi).transpose(0, 1)
+        return out.to(q.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        if layer_features(layer):
+            return self.forward_plain(q, k, v, layer, forward_batch)
+        return super().forward(q, k, v, layer, forward_batch)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:

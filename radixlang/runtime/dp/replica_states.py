@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 # per-replica values that are the same on every replica: taken from the first
-_SHARED_KEYS = frozenset({"context_length", "vocab_size"})
+_SHARED_KEYS = frozenset({"context_length", "vocab_size", "kv_bytes_per_token"})
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,8 @@ class SchedulerStats:
         return {
             "memory": {"kv_total_tokens": kv_pool.size, "kv_free_tokens": kv_pool.available_size(),
                        "kv_cached_tokens": cache.cached_size(), "kv_evictable_tokens": cache.evictable_size(),
-                       "kv_protected_tokens": cache.protected_size()},
+                       "kv_protected_tokens": cache.protected_size(),
+                       "kv_bytes_per_token": kv_pool.per_token_bytes, "kv_total_bytes": kv_pool.total_bytes},
             "cache_hit_rate": (s["cached_tokens"] / s["prompt_tokens"]) if s["prompt_tokens"] else 0.0,
             "num_running_reqs": num_running, "num_waiting_reqs": num_waiting,
             "context_length": context_len, "vocab_size": vocab_size,

@@ -39,16 +39,22 @@ class ReqToTokenPool:
 
 class TokenToKVPool:
     def __init__(self, size: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device) -> None:
+                 dtype: torch.dtype, device: str | torch.device,
+                 layer_shapes: list[tuple[int, int]] | None = None) -> None:
+        """``layer_shapes``: each layer's (num_kv_heads, head_dim) when they differ between layers;
+        otherwise every layer holds num_kv_heads x head_dim."""
         self.size = size
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = device
-        # per layer [size + 1, num_kv_heads, head_dim]; slot 0 is the dummy slot
-        self.k_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
-                         for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
-                         for _ in range(num_layers)]
+        shapes = layer_shapes or [(num_kv_heads, head_dim)] * num_layers
+        if len(shapes) != num_layers:
+            raise ValueError(f"layer_shapes has {len(shapes)} entries for {num_layers} layers")
+        self.layer_shapes = list(shapes)
+        # per layer [size + 1, its kv heads, its head_dim]; slot 0 is the dummy slot
+        self.k_buffer = [torch.zeros((size + 1, h, d), dtype=dtype, device=device) for h, d in shapes]
+        self.v_buffer = [torch.zeros((size + 1, h, d), dtype=dtype, device=device) for h, d in shapes]
+        self.per_token_bytes = self.layers_bytes_per_token(shapes, dtype)
         self._free = torch.ones(size + 1, dtype=torch.bool)  # host-side free map
         self._free[0] = False
         self._free_slots = torch.arange(1, size + 1, dtype=torch.int64)
@@ -100,6 +106,16 @@ class TokenToKVPool:
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
 
+    @property
+    def total_bytes(self) -> int:
+        """What the k and v buffers hold, the dummy slot included."""
+        return self.per_token_bytes * (self.size + 1)
+
     @staticmethod
     def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @staticmethod
+    def layers_bytes_per_token(layer_shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
+        """k + v bytes one token takes over layers of the given (num_kv_heads, head_dim)."""
+        return 2 * sum(h * d for h, d in layer_shapes) * torch.empty(0, dtype=dtype).element_size()

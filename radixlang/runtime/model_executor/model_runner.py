@@ -17,6 +17,7 @@ from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.models.layers.attention_config import check_backend_features
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.packed import pack_model_
@@ -83,18 +84,20 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
         self.kv_pool = TokenToKVPool(self.max_total_tokens, num_layers=self.hf_config.num_hidden_layers,
                                      num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-                                     dtype=self.kv_dtype, device=self.device)
+                                     dtype=self.kv_dtype, device=self.device,
+                                     layer_shapes=self.model.kv_layer_shapes())
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype)
-        logger.info("model %s: %d layers, kv pool %d tokens, context %d, attention %s%s",
-                    self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens, self.context_len,
+        check_backend_features(self.model, self.attn_backend, args.attention_backend)
+        logger.info("model %s: %d layers, kv pool %d tokens (%.1f MiB, %d bytes per token), context %d, "
+                    "attention %s%s", self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens,
+                    self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, self.context_len,
                     args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
 
     def _auto_kv_tokens(self) -> int:
-        per_token = TokenToKVPool.bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
-                                                  num_kv_heads=self.model.num_kv_heads,
-                                                  head_dim=self.model.head_dim, dtype=self.kv_dtype)
+        # the model's real per-token KV bytes (layers may differ in kv heads and head size)
+        per_token = TokenToKVPool.layers_bytes_per_token(self.model.kv_layer_shapes(), self.kv_dtype)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
         else:

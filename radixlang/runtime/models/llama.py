@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) whose attention runs through the AttentionBackend.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) whose attention runs through the AttentionBackend.
+
+The options these families differ by are read from the config: q/k/v bias (``attention_bias``, always
+on for Qwen2), a per-head RMSNorm of q and k before the rotation (Qwen3, ``qk_norm``), a sliding window
+on the layers ``layer_types`` marks ``sliding_attention`` (or on every layer when a config sets
+``sliding_window`` without ``layer_types``, as Mistral's does). The family files subclass this one.
 
 q/k/v and gate/up are fused into one matmul each: on a CPU at batch 1 the
 number of ops per layer matters as much as their size. With a tensor-parallel
@@ -8,8 +13,7 @@ without one the layers are the plain torch modules.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -17,56 +21,13 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
+from radixlang.runtime.models.layers.attention_config import layer_sliding_window
+from radixlang.runtime.models.layers.moe import Experts, load_expert_weight
+from radixlang.runtime.models.layers.norm import RMSNorm
+from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, partial_rotary_factor, rope_tables
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.fused = False  # the compiled CPU kernels (float32 on the CPU; see kernels/cpu)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dim() == 2:
-            return cpu_ops.rms_norm(x, self.weight, self.eps, check=x.dtype != torch.float32)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); residual None means x starts the stream."""
-        if residual is None:
-            return self(x), x
-        if self.fused:  # one pass, in place: x is the sublayer's fresh output and residual is ours
-            x = x.contiguous()
-            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps, check=x.dtype != torch.float32)
-            return x, residual
-        residual = x + residual
-        return self(residual), residual
-
-
-def _rope_inv_freq(config: Any, head_dim: int) -> torch.Tensor:
-    # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs use the flat fields
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    scaling = params or getattr(config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind in ("default", None):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
@@ -76,13 +37,18 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
     split_evenly(config.intermediate_size, tp_size, "intermediate (MLP) features")
 
 
-def _row_linear(in_features: int, out_features: int, tp: TPComm | None) -> nn.Linear:
+def _row_linear(in_features: int, out_features: int, tp: TPComm | None, *, bias: bool = False) -> nn.Linear:
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=False)
-    return RowParallelLinear(in_features, out_features, tp=tp)
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, tp=tp, bias=bias)
+
+
+_apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel with
 
 
 class Attention(nn.Module):
+    qk_norm = False  # Qwen3, Gemma3: RMSNorm over each head of q and of k before the rotation
+
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -92,12 +58,22 @@ class Attention(nn.Module):
         # the heads this rank holds
         self.num_heads, self.num_kv_heads = ((total_heads, total_kv_heads) if tp is None
                                              else kv_heads_per_rank(total_heads, total_kv_heads, tp.size))
-        self.scaling = self.head_dim ** -0.5
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+        self.scaling = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # Qwen2 (qkv_bias in Qwen2-MoE's config) biases q/k/v only; attention_bias also biases o_proj
+        o_bias = bool(getattr(config, "attention_bias", False))
+        bias = o_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp)
+        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # read by the attention backend (kernels/attention/base.py: layer_features)
+        self.sliding_window = layer_sliding_window(config, layer_id)
+        self.logit_softcap: float | None = getattr(config, "attn_logit_softcapping", None) or None
+        self.sinks: torch.Tensor | None = None
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [num_tokens, hidden] -> [num_tokens, heads * head_dim]."""
@@ -105,62 +81,67 @@ class Attention(nn.Module):
         n, qk_size = x.shape[0], self.q_size + self.kv_size
         # q and k rotated in one go: at batch 1 on a CPU every op counts
         qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # in place: qk is a view of qkv, which v is read from below
+            qk[:, :self.num_heads] = self.q_norm(qk[:, :self.num_heads])
+            qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
         if rope.cos is None:  # the compiled CPU kernel rotates them in place inside qkv
             cpu_ops.rope_(qk, rope.positions, rope.cos_cache, rope.sin_cache, check=False)
-        else:
-            qk = _apply_rope(qk, rope.cos, rope.sin)
+        elif rope.cos.shape[-1] == self.head_dim:
+            qk = apply_rope(qk, rope.cos, rope.sin)
+        else:  # partial rotary: only the first rotary_dim features of each head turn
+            r = rope.cos.shape[-1]
+            qk = torch.cat([apply_rope(qk[..., :r], rope.cos, rope.sin), qk[..., r:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)  # [n, heads, head_dim]
         return out.reshape(n, self.q_size)
 
 
-class Rotary(NamedTuple):
-    """One forward's rotary inputs: the tables and positions, and for the torch path each token's rows
-    (cos, signed sin [num_tokens, 1, head_dim]); cos None means the compiled kernel rotates in place."""
-    positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF Llama's rotate_half layout: x*cos + cat(-x2, x1)*sin, written as x*cos + roll(x)*signed_sin
-    with signed_sin = cat(-sin_half, sin_half), which gives the same numbers in fewer ops.
-
-    x [n, heads, head_dim]; cos, signed_sin [n, 1, head_dim]
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None, *, intermediate_size: int | None = None) -> None:
         super().__init__()
-        full = config.intermediate_size
+        full = intermediate_size or config.intermediate_size
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+        self.act_name = act
+        self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self._fused(x)
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: type[Attention] = Attention
+
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id, tp)
-        self.mlp = MLP(config, tp)
+        self.self_attn = self.attention_cls(config, layer_id, tp)
+        self.mlp = self.make_mlp(config, layer_id, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
+
+    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
+        """The layer's feed-forward block (the MoE families return their sparse block)."""
+        return MLP(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
                 forward_batch: Any, keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +160,7 @@ class DecoderLayer(nn.Module):
         # from the output projection through the down projection instead of going out to memory and
         # back, and no slice outputs are concatenated. The fused norm updates its rows of residual in
         # place, so the residual it returns is a view of ours
-        out = x.new_empty(n, self.mlp.down_proj.out_features)
+        out = x.new_empty(n, residual.shape[1])
         for i in range(0, n, packed.CHUNK_ROWS):
             rows = slice(i, i + packed.CHUNK_ROWS)
             out[rows] = self._after_attention(x[rows], residual[rows])[0]
@@ -192,6 +173,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp: TPComm | None = None) -> None:
         super().__init__()
@@ -200,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
                              else VocabParallelEmbedding(vocab, hidden, tp=tp))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -211,13 +195,16 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
-        inv_freq = _rope_inv_freq(config, self.head_dim)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)  # [max_pos, head_dim]
-        sin = emb.sin()
-        sin[:, :self.head_dim // 2] *= -1  # signed for _apply_rope's roll
-        self.register_buffer("signed_sin_cache", sin.to(dtype), persistent=False)
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
+        # one rotary table per kind of layer (Gemma3's sliding layers use another theta): layer i uses
+        # table layer_rope[i]; table 0 is (cos_cache, signed_sin_cache), [max_pos, rotary_dim]
+        tables, self.layer_rope = self.rope_tables(config, max_pos)
+        self.rotary_dim = tables[0][0].shape[1]
+        for t, (cos, signed_sin) in enumerate(tables):
+            suffix = "" if t == 0 else f"_{t}"
+            self.register_buffer("cos_cache" + suffix, cos.to(dtype), persistent=False)
+            self.register_buffer("signed_sin_cache" + suffix, signed_sin.to(dtype), persistent=False)
+        self.num_rope_tables = len(tables)
         self.cpu_kernels = False  # see use_cpu_kernels
         self.to(dtype=dtype, device=device)
         self.requires_grad_(False)
@@ -232,18 +219,32 @@ class LlamaForCausalLM(nn.Module):
         logits of its last token, while every token's k and v (written before attention) are still
         cached. On SmolLM2 (30 layers) that skips ~3% of a prefill's matmul work."""
         x = self.embed_tokens(input_ids)
-        if self.cpu_kernels:
-            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_cache.shape[0]):
-                raise ValueError(f"positions must lie in [0, {self.cos_cache.shape[0]})")
-            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, None, None)
-        else:
-            rope = Rotary(positions, self.cos_cache, self.signed_sin_cache, self.cos_cache[positions][:, None, :],
-                          self.signed_sin_cache[positions][:, None, :])
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = [self._rotary(positions, t) for t in range(self.num_rope_tables)]
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, forward_batch, keep_rows if i == last else None)
+            x, residual = layer(x, residual, ropes[self.layer_rope[i]], forward_batch, keep_rows if i == last else None)
         return self.norm.add_norm(x, residual)[0]
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """Each layer's (kv heads on this rank, head_dim): what the KV pool holds per token and layer."""
+        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+
+    def rope_tables(self, config: Any, max_pos: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """The rotary tables and which one each layer uses (one table for every layer here)."""
+        rotary_dim = int(self.head_dim * partial_rotary_factor(config))
+        return [rope_tables(config, rotary_dim, max_pos)], [0] * config.num_hidden_layers
+
+    def _rotary(self, positions: torch.Tensor, table: int) -> Rotary:
+        suffix = "" if table == 0 else f"_{table}"
+        cos, sin = getattr(self, "cos_cache" + suffix), getattr(self, "signed_sin_cache" + suffix)
+        if self.cpu_kernels:
+            if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+                raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
+            return Rotary(positions, cos, sin, None, None)
+        return Rotary(positions, cos, sin, cos[positions][:, None, :], sin[positions][:, None, :])
 
     def use_cpu_kernels(self) -> bool:
         """Run the layers' small ops (norms with the residual add, rotary, SiLU-and-multiply) through
@@ -252,18 +253,34 @@ class LlamaForCausalLM(nn.Module):
         if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
             return False
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)):
+            if (isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu")
+                    or (isinstance(m, Experts) and m.act_is_silu)):
                 m.fused = True
-        self.cpu_kernels = True
+        self.cpu_kernels = self.rotary_dim == self.head_dim  # the rotary kernel turns whole heads only
         return True
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(hidden)
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.tp is not None:
             return self.embed_tokens.logits(hidden).float()  # gathered over the ranks: [n, vocab]
         return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
+
+    def checkpoint_name(self, name: str) -> str:
+        """A hook for families whose checkpoint names a module differently (Mixtral's block_sparse_moe)."""
+        return name
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A hook for families whose checkpoint stores a tensor differently (Gemma's norms as w for 1 + w)."""
+        return tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up.
@@ -275,8 +292,11 @@ class LlamaForCausalLM(nn.Module):
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         seen: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = self.checkpoint_name(name.removeprefix("model."))
             if "rotary_emb" in name:
+                continue
+            tensor = self.checkpoint_tensor(name, tensor)
+            if load_expert_weight(name, tensor, params, seen):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
@@ -286,8 +306,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target, shard = fused[parts[-2]]
                 pname = ".".join(parts[:-2] + [target, parts[-1]])
+                if pname not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
                 param = params[pname]
-                offset, size = self._shard_range(target, shard)
+                offset, size = self._shard_range(target, shard, param)
                 param.data[offset:offset + size].copy_(tensor)
                 seen.add(f"{pname}:{shard}")
                 continue
@@ -295,15 +317,20 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             params[name].data.copy_(tensor)
             seen.add(name)
-        missing = [n for n in params if n not in seen and not any(s.startswith(n + ":") for s in seen)]
+        loaded_parts: dict[str, int] = {}
+        for key in seen:
+            if ":" in key:
+                pname = key.split(":", 1)[0]
+                loaded_parts[pname] = loaded_parts.get(pname, 0) + 1
+        missing = [n for n in params if n not in seen and loaded_parts.get(n, 0) < _parts_expected(n, params[n])]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
-    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+    def _shard_range(self, target: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if target == "qkv_proj":
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = self.layers[0].mlp.inter
+        inter = param.shape[0] // 2  # this MLP's (a shared expert's may differ from the layers')
         return (shard * inter, inter)
 
     def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -320,3 +347,17 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
+
+
+def _parts_expected(name: str, param: torch.Tensor) -> int:
+    """How many checkpoint tensors fill a parameter loaded piece by piece (fused or stacked)."""
+    if name.endswith("experts.w13"):
+        return 2 * param.shape[0]
+    if name.endswith("experts.w2"):
+        return param.shape[0]
+    if ".qkv_proj." in name:
+        return 3
+    if ".gate_up_proj." in name:
+        return 2
+    return 1
+

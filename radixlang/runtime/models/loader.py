@@ -1,4 +1,7 @@
-"""Load a model: a Hugging Face folder, a GGUF file, or random weights from a config."""
+"""Load a model: a Hugging Face folder, a hub id (through huggingface_hub: the local cache first), a GGUF
+file, or random weights from a config. Safetensors are read one tensor at a time and copied straight into
+the model's parameters (already in their final dtype and device), so loading never holds a second copy
+of the model on the host; sharded checkpoints are every ``*.safetensors`` in the folder."""
 from __future__ import annotations
 
 import glob
@@ -9,18 +12,22 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torch import nn
+
 from radixlang.runtime.models.gguf_convert import ensure_converted
-from radixlang.runtime.models.llama import LlamaForCausalLM
+from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
 from radixlang.runtime.models.parallel import TPComm
+from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
 
 logger = logging.getLogger(__name__)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHS = frozenset(MODEL_CLASSES)
+# what a model folder needs from a hub repo (not the .bin / .pth / .gguf duplicates some repos carry)
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: nn.Module
     hf_config: Any
     tokenizer: Any
     model_path: str
@@ -43,7 +50,9 @@ def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
     """Turn --model-path into a HF folder (converting a GGUF file once)."""
     path = model_path or default_model_path()
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (models are never fetched from a hub)")
+        if not _looks_like_hub_id(path):
+            raise FileNotFoundError(f"model path {path!r} does not exist (and is not a hub id like org/name)")
+        path = resolve_hub_id(path)
     if os.path.isdir(path):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
@@ -55,14 +64,37 @@ def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
 
 
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not path.endswith(".gguf")
+
+
+def resolve_hub_id(repo_id: str) -> str:
+    """The local snapshot folder of a hub repo: the Hugging Face cache (``HF_HOME``) first, then a
+    download (with huggingface_hub's progress bars) when the hub can be reached."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+        logger.info("model %s: found in the local Hugging Face cache at %s", repo_id, folder)
+        return folder
+    except Exception:  # not (completely) cached: try the hub
+        pass
+    try:
+        logger.info("model %s: downloading from the Hugging Face hub", repo_id)
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as e:
+        raise FileNotFoundError(f"model {repo_id!r} is neither a local path nor in the Hugging Face cache, and "
+                                f"downloading it failed ({type(e).__name__}: {e}); download it while online "
+                                f"(huggingface-cli download {repo_id}) or pass a local folder") from e
+
+
 def read_config(folder: str) -> Any:
     """The model's transformers config; a ValueError for an architecture we have no model code for."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    archs = set(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
-    if not archs & SUPPORTED_ARCHS:
-        raise ValueError(f"architecture {sorted(archs)} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
+    model_class(config)  # refuses an unknown architecture, listing the supported ones
     return config
 
 
@@ -74,7 +106,8 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
 
     folder = resolve_model_dir(model_path, load_format)
     config = read_config(folder)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
+    cls = model_class(config)
+    model = cls(config, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
     else:
@@ -103,20 +136,26 @@ def random_weights(config: Any, seed: int):
     q/k/v and gate/up tensors are cut into their checkpoint pieces; each rank slices what it holds.
     """
     with torch.device("meta"):
-        full = LlamaForCausalLM(config, device="meta")
-    attn, inter = full.layers[0].self_attn, full.layers[0].mlp.inter
+        model = model_class(config)(config, device="meta")
     gen = torch.Generator().manual_seed(seed)
-    for name, p in full.named_parameters():
+    for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             yield name, torch.ones(p.shape)
+            continue
+        if name.endswith("sinks"):
+            yield name, torch.zeros(p.shape)
             continue
         t = torch.randn(p.shape, generator=gen) * 0.02
         prefix, _, leaf = name.rpartition(".")
         owner, _, kind = prefix.rpartition(".")
         if kind == "qkv_proj":
+            attn = model.get_submodule(owner)
             pieces = t.split([attn.q_size, attn.kv_size, attn.kv_size])
             yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("q_proj", "k_proj", "v_proj"), pieces))
         elif kind == "gate_up_proj":
-            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), t.split(inter)))
+            gate_up = t.split(t.shape[0] // 2)
+            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), gate_up))
+        elif prefix.endswith(".experts"):
+            yield from expert_checkpoint_tensors(name, t, ("gate_proj", "up_proj", "down_proj"))
         else:
             yield name, t

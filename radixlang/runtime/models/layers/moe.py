@@ -1,0 +1,144 @@
+"""A fused mixture-of-experts MLP: every expert's gate/up and down weights in two stacked tensors, the
+routing rule of the model (softmax then top-k, with or without renormalising the top-k), an optional
+shared expert, and a dispatch that sorts the (token, expert) pairs by expert so each expert runs one
+matmul over all its tokens: the Python loop is over experts (at most ``num_experts`` steps), never
+over tokens.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlang.kernels import cpu as cpu_ops
+
+# checkpoint names of one expert's tensors: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
+_EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                     r"\.weight$")
+_PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+         "down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k logits, then a softmax over those k (GPT-OSS). logits [n, E] -> (weights [n, k], ids [n, k])."""
+    top, ids = logits.topk(top_k, dim=-1)
+    return top.softmax(-1), ids
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts (in float32), then the top k; ``renormalize``: the k weights sum to 1
+    (Mixtral always, Qwen when ``norm_topk_prob``). logits [n, E] -> (weights [n, k] f32, ids [n, k] i64)."""
+    weights, ids = logits.float().softmax(-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """``num_experts`` gated MLPs: w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act: Callable[[torch.Tensor], torch.Tensor],
+                 *, act_is_silu: bool) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.act, self.act_is_silu = act, act_is_silu
+        self.fused = False  # silu(gate) * up on the compiled CPU kernel
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]."""
+        return dispatch(x, weights, ids, self.num_experts, self._expert)
+
+    def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = F.linear(xs, self.w13[e])  # [count, 2 * inter]
+        if self.fused:
+            h = cpu_ops.silu_mul(h.contiguous(), check=False)
+        else:
+            gate, up = h.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        return F.linear(h, self.w2[e])
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+             expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sort the (token, expert) pairs by expert, run ``expert(e, its tokens' rows)`` once per expert with
+    tokens, and sum the outputs back per token weighted by the routing weights.
+
+    x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # [n * k]: pair p is token p // k
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    xs = x.index_select(0, tokens)  # [n * k, hidden], grouped by expert
+    out = torch.empty_like(xs)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            out[start:start + count] = expert(e, xs[start:start + count])
+            start += count
+    out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
+    return x.new_zeros(n, x.shape[1]).index_add_(0, tokens, out)
+
+
+class SparseMoE(nn.Module):
+    """Router (``gate``, [E, hidden]) + experts + optional shared expert (Qwen2-MoE: a dense MLP scaled
+    by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, config: Any, *, num_experts: int, top_k: int, inter: int, renormalize: bool,
+                 act: Callable[[torch.Tensor], torch.Tensor], act_is_silu: bool,
+                 shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inter, act, act_is_silu=act_is_silu)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
+        self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden]."""
+        weights, ids = route_softmax_topk(self.gate(x), self.top_k, renormalize=self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str]) -> bool:
+    """Copy one expert's checkpoint tensor into the stacked w13 / w2; False when ``name`` is no expert tensor."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return False
+    target, half = _PART[m["part"]]
+    pname = f"{m['owner']}.{target}"
+    if pname not in params:
+        raise ValueError(f"unexpected weight {name!r}")
+    param, e = params[pname], int(m["expert"])
+    if e >= param.shape[0]:
+        raise ValueError(f"unexpected weight {name!r}: the model has {param.shape[0]} experts")
+    if half is None:
+        param.data[e].copy_(tensor)
+    else:
+        inter = param.shape[1] // 2
+        param.data[e, half * inter:(half + 1) * inter].copy_(tensor)
+    seen.add(f"{pname}:{e}:{m['part']}")
+    return True
+
+
+def expert_checkpoint_tensors(name: str, t: torch.Tensor, parts: tuple[str, str, str]):
+    """The checkpoint pieces of a stacked expert tensor ``name`` (…experts.w13 / …experts.w2) as
+    (checkpoint name, tensor) pairs; ``parts`` names gate, up and down (("gate_proj", "up_proj", "down_proj"))."""
+    owner, _, leaf = name.rpartition(".")
+    for e in range(t.shape[0]):
+        if leaf == "w13":
+            gate, up = t[e].split(t.shape[1] // 2)
+            yield f"{owner}.{e}.{parts[0]}.weight", gate
+            yield f"{owner}.{e}.{parts[1]}.weight", up
+        else:
+            yield f"{owner}.{e}.{parts[2]}.weight", t[e]
