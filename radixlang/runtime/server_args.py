@@ -52,6 +52,14 @@ class ServerArgs:
     disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
+    # chat (OpenAI routes)
+    chat_template: str | None = _f(None, "a Jinja chat template file whose text replaces the tokenizer's")
+    tool_call_parser: str = _f("auto", "tool-call format of the model's replies (auto: from the chat template's "
+                                       "markers, else hermes)",
+                               ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseekv3", "pythonic",
+                                "gpt-oss"))
+    reasoning_parser: str | None = _f(None, "split the reply's reasoning into reasoning_content",
+                                      (None, "deepseek-r1", "qwen3", "gpt-oss"))
     # kernels
     attention_backend: str = _f("auto", "attention kernels (auto: flashinfer or triton on CUDA; on the CPU, cpu "
                                         "when radixlang's CPU kernels build, else torch)",
@@ -98,6 +106,8 @@ class ServerArgs:
             raise ValueError(f"page_size must be 1 (the KV pool is token-granular; paged KV is not implemented), "
                              f"got {self.page_size}")
         self._check_parallel()
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template must be a Jinja template file, got {self.chat_template!r} (no such file)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -55,6 +55,15 @@ class GenerateRequest(pydantic.BaseModel):
     rid: str | None = None
 
 
+def chat_template_of(engine: Front) -> str | None:
+    """The chat template in use: --chat-template's file text, else the tokenizer's."""
+    path = engine.server_args.chat_template
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return getattr(engine.tokenizer, "chat_template", None)
+
+
 def model_name(engine: Front) -> str:
     return engine.server_args.served_model_name or engine.model_path
 
@@ -86,3 +95,28 @@ def check_outputs(outs: list[dict[str, Any]], param: str) -> None:
         if reason.get("type") == "abort" and reason.get("status_code"):
             message = reason.get("message", "request refused")
             raise RequestError(message, reason.get("param") or named_field(message) or param)
+
+
+_LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def fill_logprob_text(tokenizer: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """return_text_in_logprobs: every (logprob, token_id, None) entry gets its token's text, as SGLang's
+    tokenizer manager does (each id decoded alone, special tokens kept). Modifies and returns ``out``."""
+    meta = out["meta_info"]
+    cache: dict[int, str] = {}
+
+    def entry(e: Any) -> list[Any]:
+        tid = e[1]
+        if tid not in cache:
+            cache[tid] = tokenizer.decode([tid])
+        return [e[0], tid, cache[tid]]
+
+    for key in _LOGPROB_LISTS:
+        if meta.get(key) is not None:
+            meta[key] = [entry(e) for e in meta[key]]
+    for key in _TOP_LOGPROB_LISTS:
+        if meta.get(key) is not None:
+            meta[key] = [None if row is None else [entry(e) for e in row] for row in meta[key]]
+    return out

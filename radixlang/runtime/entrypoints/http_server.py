@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, GenerateRequest, check_outputs, error_response, model_name, named_field, parse_model,
+    Front, GenerateRequest, chat_template_of, check_outputs, error_response, fill_logprob_text, model_name, named_field, parse_model,
 )
 from radixlang.runtime.entrypoints.metrics import make_registry, render
 from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
@@ -80,7 +80,7 @@ def create_app(engine: Front) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
-                "is_generation": True, "chat_template": getattr(engine.tokenizer, "chat_template", None)}
+                "is_generation": True, "chat_template": chat_template_of(engine)}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
@@ -108,11 +108,17 @@ def create_app(engine: Front) -> FastAPI:
         kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
               "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
               "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
+        with_text = req.return_logprob and req.return_text_in_logprobs
         if req.stream:
             it = await engine.stream(**kw)
-            return StreamingResponse(_sse(request, it), media_type="text/event-stream")
+            fill = (lambda o: fill_logprob_text(engine.tokenizer, o)) if with_text else None
+            return StreamingResponse(_sse(request, it, fill), media_type="text/event-stream")
         out = await engine.generate(**kw)
-        check_outputs(out if isinstance(out, list) else [out], "text" if req.text is not None else "input_ids")
+        outs = out if isinstance(out, list) else [out]
+        check_outputs(outs, "text" if req.text is not None else "input_ids")
+        if with_text:
+            for o in outs:
+                fill_logprob_text(engine.tokenizer, o)
         return Response(orjson.dumps(out), media_type="application/json")
 
     @app.get("/v1/models")
@@ -130,11 +136,13 @@ def create_app(engine: Front) -> FastAPI:
     return app
 
 
-async def _sse(request: Request, it: RequestStream) -> AsyncIterator[bytes]:
+async def _sse(request: Request, it: RequestStream, fill: Any = None) -> AsyncIterator[bytes]:
     try:
         async for item in it:
             if await request.is_disconnected():
                 return
+            if fill is not None:
+                item = fill(item)
             yield b"data: " + orjson.dumps(item) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:  # the client left (or the response was cancelled): abort the request if it still runs

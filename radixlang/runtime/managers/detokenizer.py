@@ -8,6 +8,7 @@ one. At finish, the text is cut before the matched stop string unless
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,14 @@ def stop_holdback(text: str, stop_strs: list[str]) -> int:
     return best
 
 
+def trim_at_stop_regex(text: str, pattern: str, start: int = 0) -> str:
+    """Cut text before the first match of a stop_regex ending past `start` (the part already sent stays)."""
+    for m in re.finditer(pattern, text):
+        if m.end() > start:
+            return text[:max(m.start(), start)]
+    return text
+
+
 def trim_at_stop(text: str, stop_strs: list[str], start: int = 0) -> str:
     """Cut text before the earliest stop string found at or after `start`."""
     cut = len(text)
@@ -99,8 +108,11 @@ class DetokenizerManager:
                 visible = len(text) - stop_holdback(text, stops) if stops else len(text)
             else:
                 reason = FinishReason.from_dict(finished)
-                if stops and not out.no_stop_trim[i] and reason.kind == "stop" and isinstance(reason.matched, str):
-                    text = trim_at_stop(text, stops, start=dec.state.sent_len)
+                if not out.no_stop_trim[i] and reason.kind == "stop" and isinstance(reason.matched, str):
+                    if reason.matched in stops:
+                        text = trim_at_stop(text, stops, start=dec.state.sent_len)
+                    else:  # a stop_regex pattern (the scheduler reports which one matched)
+                        text = trim_at_stop_regex(text, reason.matched, start=dec.state.sent_len)
                 visible = len(text)
                 del self.decoders[rid]
             visible = max(visible, dec.state.sent_len)

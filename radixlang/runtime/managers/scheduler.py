@@ -110,6 +110,7 @@ class Scheduler:
         bad = [t for t in tr.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"input_ids must be in [0, {vocab_size}), got {bad[0]}", "input_ids")
+        _validate_request_extras(tr, params, vocab_size)
         if len(tr.input_ids) >= context_len:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
                                f"{context_len}", "input_ids")
@@ -389,3 +390,13 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def _validate_request_extras(tr: TokenizedGenerateReq, params: SamplingParams, vocab_size: int) -> None:
+    """Checks that need the prompt length or the vocabulary: logprob_start_len, logit_bias ids."""
+    if tr.return_logprob and tr.logprob_start_len >= len(tr.input_ids):
+        raise RequestError(f"logprob_start_len must be < the prompt's {len(tr.input_ids)} tokens, got "
+                           f"{tr.logprob_start_len}", "logprob_start_len")
+    bad = [t for t, _ in params.logit_bias_ids if t >= vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}", "logit_bias")

@@ -1,6 +1,7 @@
 """When a request is done: length, EOS / stop token ids, stop strings."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from radixlang.runtime.managers.io_struct import FinishReason
@@ -18,6 +19,10 @@ def check_finished(req: Req, tokenizer: Any, new_tokens: int = 1) -> FinishReaso
             matched = _match_stop_str(req, tokenizer, new_tokens)
             if matched is not None:
                 return FinishReason.stop(matched)
+        if params.stop_regex:
+            pattern = _match_stop_regex(req, tokenizer)
+            if pattern is not None:
+                return FinishReason.stop(pattern)
     if len(req.output_ids) >= params.max_new_tokens:
         return FinishReason.max_tokens(params.max_new_tokens)
     return None
@@ -32,4 +37,14 @@ def _match_stop_str(req: Req, tokenizer: Any, new_tokens: int) -> str | None:
     for s in params.stop:
         if s in tail:
             return s
+    return None
+
+
+def _match_stop_regex(req: Req, tokenizer: Any) -> str | None:
+    # a regex can match text of any length: search the whole output (only requests with stop_regex pay)
+    params = req.sampling_params
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=params.skip_special_tokens)
+    for pattern in params.stop_regex:
+        if re.search(pattern, text):
+            return pattern
     return None

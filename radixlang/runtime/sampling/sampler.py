@@ -25,7 +25,7 @@ import torch
 
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingInfo", "sample", "compute_logprobs", "TopLogprobs"]
+__all__ = ["SamplingParams", "SamplingInfo", "sample", "apply_logit_bias", "compute_logprobs", "TopLogprobs"]
 
 _MASK64 = (1 << 63) - 1
 
@@ -52,6 +52,16 @@ def _apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
         logits[row, uniq] = vals
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's logit_bias (token id -> bias) to logits [bs, vocab] in place (OpenAI's logit_bias)."""
+    for row, p in enumerate(params):
+        pairs = p.logit_bias_ids
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=logits.device)
+            bias = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, bias)
+
+
 def _uniforms(info: SamplingInfo, generator: torch.Generator | None) -> torch.Tensor:
     draws = []
     for p, out in zip(info.params, info.output_ids):
@@ -68,6 +78,7 @@ def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator 
     for row, banned in enumerate(info.min_tokens_blocked):
         if banned:
             logits[row, banned] = float("-inf")
+    apply_logit_bias(logits, info.params)
     _apply_penalties(logits, info)
     greedy_rows = [i for i, p in enumerate(info.params) if p.is_greedy]
     result = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,18 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # token id (a decimal string: JSON object keys are strings) -> bias added to its logit before sampling
+    logit_bias: dict[str, float] | None = None
+    # regexes: generation stops once the output text matches one; the text is cut before the match
+    stop_regex: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        elif self.stop_regex is None:
+            self.stop_regex = []
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _canonical_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -104,6 +115,23 @@ class SamplingParams:
             except ValueError as e:
                 raise RequestError(f"json_schema is not valid JSON: {e}", "json_schema") from None
 
+        if not isinstance(self.stop_regex, list) or not all(isinstance(r, str) and r for r in self.stop_regex):
+            raise RequestError(f"stop_regex must be a regex or a list of non-empty regexes, got {self.stop_regex!r}",
+                               "stop_regex")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise RequestError(f"stop_regex {pattern!r} is not a valid regex: {e}", "stop_regex") from None
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError(f"logit_bias must be an object of token id -> bias, got {self.logit_bias!r}",
+                               "logit_bias")
+
+    @property
+    def logit_bias_ids(self) -> list[tuple[int, float]]:
+        """logit_bias as (token id, bias) pairs; ids are checked against the vocabulary by the scheduler."""
+        return [(int(k), v) for k, v in (self.logit_bias or {}).items()]
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
@@ -131,6 +159,21 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _canonical_bias(bias: dict[Any, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and re.fullmatch(r"\s*\d+\s*", key):
+            token = int(key)
+        if token is None or token < 0:
+            raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}",
+                               "logit_bias")
+        out[str(token)] = float(value)
+    return out
 
 
 def _check_int(name: str, value: Any, lo: int | None = None) -> None:

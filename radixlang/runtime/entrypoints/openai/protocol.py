@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,6 +85,8 @@ class _Common(BaseModel):
     no_stop_trim: bool | None = None
     regex: str | None = None
     json_schema: str | None = None
+    stop_regex: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     rid: str | None = None
 
 
@@ -107,11 +108,14 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # SGLang extensions
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to apply_chat_template (e.g. enable_thinking)
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart from content
 
 
 _SGLANG_PASSTHROUGH = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p",
                        "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
-                       "regex", "json_schema")
+                       "regex", "json_schema", "stop_regex", "logit_bias")
 
 
 def to_sampling(req: CompletionRequest | ChatRequest, constraint: str | None) -> dict[str, Any]:
@@ -179,15 +183,25 @@ def _tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool]) -> str:
+def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None) -> str:
+    """The prompt text; ``template`` (--chat-template's text) replaces the tokenizer's chat template."""
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
-    if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+    template = template or getattr(tokenizer, "chat_template", None)
+    if tools and "tools" not in (template or ""):
         # the template cannot render tools: describe them and the call format in a system message
         spec = json.dumps([t.function.model_dump(exclude_none=True) for t in tools])
         note = (f"You may call these functions: {spec}\nTo call one, reply with {_TOOL_CALL_OPEN}"
                 f'{{"name": ..., "arguments": {{...}}}}{_TOOL_CALL_CLOSE}.')
         messages.insert(0, {"role": "system", "content": note})
-    kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & {"conversation", "tools", "tokenize", "add_generation_prompt", "chat_template",
+                                     "return_dict", "return_tensors"})
+    if reserved:
+        raise RequestError(f"chat_template_kwargs must not set {reserved[0]}", "chat_template_kwargs")
+    if tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    if template is not None:
+        kwargs["chat_template"] = template
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # jinja raises its own errors for message orders a template refuses
@@ -210,25 +224,6 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def parse_tool_calls(text: str, tools: list[Tool], *, forced: bool) -> list[dict[str, Any]] | None:
-    """OpenAI tool_calls from the output: the whole text when forced, else <tool_call> blocks."""
-    if not tools:
-        return None
-    blobs = [text] if forced else [part.split(_TOOL_CALL_CLOSE, 1)[0]
-                                   for part in text.split(_TOOL_CALL_OPEN)[1:]]
-    names = {t.function.name for t in tools}
-    calls = []
-    for blob in blobs:
-        try:
-            obj = json.loads(blob)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("name") in names:
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
-    return calls or None
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -274,6 +269,23 @@ def completion_logprobs(tokenizer: Any, out: dict[str, Any], start: int = 0, off
         row = rows[k] if k < len(rows) and rows[k] else []
         tops.append({tokenizer.decode([i]): v for v, i, _ in row})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(tokenizer: Any, out: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+    """echo with logprobs: the prompt tokens' entries (the first one's logprob null) before ``completion``'s."""
+    tokens, values, tops, offsets = [], [], [], []
+    rows = out["meta_info"].get("input_top_logprobs") or []
+    offset = 0
+    for k, (lp, tid, *_) in enumerate(out["meta_info"].get("input_token_logprobs") or []):
+        token = tokenizer.decode([tid])
+        tokens.append(token)
+        values.append(lp)
+        offsets.append(offset)
+        offset += len(token)
+        row = rows[k] if k < len(rows) else None
+        tops.append(None if row is None else {tokenizer.decode([i]): v for v, i, *_ in row})
+    return {"tokens": tokens + completion["tokens"], "token_logprobs": values + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"], "text_offset": offsets + completion["text_offset"]}
 
 
 def envelope(*, chat: bool, model: str, rid: str, chunk: bool) -> dict[str, Any]:

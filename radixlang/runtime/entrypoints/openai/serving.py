@@ -8,10 +8,13 @@ from typing import Any, AsyncIterator
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixlang.runtime.entrypoints.http_common import Front, check_outputs, model_name, named_field, parse_model
+from radixlang.runtime.entrypoints.http_common import (
+    Front, chat_template_of, check_outputs, model_name, named_field, parse_model,
+)
+from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
 from radixlang.runtime.entrypoints.openai.protocol import (
     ChatRequest, CompletionRequest, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
-    completion_logprobs, envelope, finish_reason, parse_tool_calls, to_sampling, usage,
+    completion_logprobs, echo_logprobs, envelope, finish_reason, to_sampling, usage,
 )
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.tokenizer_manager import RequestStream
@@ -23,22 +26,23 @@ _OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens", "min_n
 
 async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(CompletionRequest, body)
-    if req.echo and req.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported", "echo")
     if req.suffix is not None:
         raise RequestError("suffix is not supported", "suffix")
     prompts = _completion_prompts(req.prompt)
     return await _serve_openai(engine, req, prompts, to_sampling(req, None), chat=False, tools=[],
-                               top_logprobs=req.logprobs)
+                               top_logprobs=req.logprobs, echo=req.echo)
 
 
 async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(ChatRequest, body)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.store:
+        raise RequestError("store=true is not supported: this server keeps no completions", "store")
     tools = active_tools(req)
     constraint = chat_constraint(req, tools)
-    prompt = chat_prompt(engine.tokenizer, req, tools)
+    prompt = chat_prompt(engine.tokenizer, req, tools, chat_template_of(engine) if engine.server_args.chat_template
+                         else None)
     top = (req.top_logprobs or 0) if req.logprobs else None
     return await _serve_openai(engine, req, [prompt], to_sampling(req, constraint), chat=True,
                                tools=tools, top_logprobs=top)
@@ -55,9 +59,10 @@ def _completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
 
 
 async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
-                        chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
+                        chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool = False) -> Response:
     try:
-        return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs)
+        return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs,
+                                 echo=echo)
     except RequestError as e:  # report the field by its OpenAI name
         param = e.param or named_field(str(e))
         fallback = "messages" if chat and param in ("prompt", None) else param
@@ -65,14 +70,17 @@ async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str
 
 
 async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
-                      chat: bool, tools: list[Tool], top_logprobs: int | None) -> Response:
+                      chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool) -> Response:
     if len(prompts) * req.n > _MAX_CHOICES:
         raise RequestError(f"prompts x n must be <= {_MAX_CHOICES}, got {len(prompts) * req.n}", "n")
     key = "input_ids" if prompts and not isinstance(prompts[0], str) else "prompt"
     lp = {"return_logprob": top_logprobs is not None, "top_logprobs_num": top_logprobs or 0}
+    if echo and top_logprobs is not None:
+        lp["logprob_start_len"] = 0  # the prompt's logprobs come first, as OpenAI's echo gives them
     ctx = _Ctx(engine=engine, model=req.model or model_name(engine), chat=chat, tools=tools,
                forced=bool(tools) and req.tool_choice not in (None, "auto") if chat else False,
-               logprobs=top_logprobs is not None, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+               logprobs=top_logprobs is not None, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+               req=req, echo_texts=_echo_texts(engine, prompts, req.n) if echo else None)
     param = "messages" if chat else "prompt"
     if not req.stream:
         outs = await engine.generate(**{key: prompts}, sampling_params={**params, "n": req.n}, **lp)
@@ -94,27 +102,52 @@ async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, 
                              media_type="text/event-stream")
 
 
+def _echo_texts(engine: Front, prompts: list, n: int) -> list[str]:
+    """The prompt text of each choice (choices are prompts x n, in order)."""
+    texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
+    return [t for t in texts for _ in range(n)]
+
+
 class _Ctx:
     """What building one OpenAI response (or its chunks) needs."""
 
     def __init__(self, *, engine: Front, model: str, chat: bool, tools: list[Tool], forced: bool, logprobs: bool,
-                 rid: str) -> None:
+                 rid: str, req: Any, echo_texts: list[str] | None = None) -> None:
         self.engine, self.model, self.chat, self.tools, self.forced = engine, model, chat, tools, forced
-        self.logprobs, self.rid = logprobs, rid
+        self.logprobs, self.rid, self.echo_texts = logprobs, rid, echo_texts
+        self.outputs: dict[int, ChatOutput] = {}
+        self.req = req
+
+    def output(self, index: int) -> ChatOutput:
+        """The parsers of choice ``index`` (made on first use: a stream keeps them across chunks)."""
+        if index not in self.outputs:
+            args = self.engine.server_args
+            self.outputs[index] = ChatOutput(
+                tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                chat_template=chat_template_of(self.engine), tool_names={t.function.name for t in self.tools},
+                forced=self.forced, parallel=self.req.parallel_tool_calls is not False,
+                separate_reasoning=self.req.separate_reasoning)
+        return self.outputs[index]
 
     def choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
         tok = self.engine.tokenizer
-        calls = parse_tool_calls(out["text"], self.tools, forced=self.forced) if self.chat else None
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(out, tool_calls=bool(calls))}
+        choice: dict[str, Any] = {"index": index}
         reason = out["meta_info"].get("finish_reason") or {}
-        choice["matched_stop"] = reason.get("matched")
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": None if calls else out["text"],
-                                 **({"tool_calls": calls} if calls else {})}
+            parsed = self.output(index)
+            choice["message"] = parsed.message(out["text"])
             choice["logprobs"] = chat_logprobs(tok, out) if self.logprobs else None
+            choice["finish_reason"] = finish_reason(out, tool_calls=parsed.has_calls)
         else:
-            choice["text"] = out["text"]
-            choice["logprobs"] = completion_logprobs(tok, out) if self.logprobs else None
+            echo = self.echo_texts[index] if self.echo_texts is not None else ""
+            choice["text"] = echo + out["text"]
+            choice["logprobs"] = None
+            if self.logprobs:
+                choice["logprobs"] = completion_logprobs(tok, out, offset=len(echo))
+                if self.echo_texts is not None:
+                    choice["logprobs"] = echo_logprobs(tok, out, choice["logprobs"])
+            choice["finish_reason"] = finish_reason(out)
+        choice["matched_stop"] = reason.get("matched")
         return choice
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> bytes:
@@ -131,21 +164,22 @@ class _Ctx:
         done = out["meta_info"].get("finish_reason") is not None
         choice: dict[str, Any] = {"index": index, "finish_reason": None}
         if self.chat:
-            calls = parse_tool_calls(out["text"], self.tools, forced=self.forced) if done else None
-            if self.tools:  # a tool call is only known at the end: the text was held back until now
-                text = out["text"] if done and not calls else ""
+            parsed = self.output(index)
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if calls:
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-            elif text:
-                delta["content"] = text
+            delta.update(parsed.delta(text, final=done))
             choice["delta"] = delta
             choice["logprobs"] = chat_logprobs(tok, out, sent_tokens) if self.logprobs else None
         else:
-            choice["text"] = text
-            choice["logprobs"] = completion_logprobs(tok, out, sent_tokens, sent_text) if self.logprobs else None
+            echo = self.echo_texts[index] if self.echo_texts is not None and first else ""
+            offset = sent_text + (len(self.echo_texts[index]) if self.echo_texts is not None else 0)
+            choice["text"] = echo + text
+            choice["logprobs"] = None
+            if self.logprobs:
+                choice["logprobs"] = completion_logprobs(tok, out, sent_tokens, offset)
+                if echo:
+                    choice["logprobs"] = echo_logprobs(tok, out, choice["logprobs"])
         if done:
-            choice["finish_reason"] = finish_reason(out, tool_calls=bool(self.chat and calls))
+            choice["finish_reason"] = finish_reason(out, tool_calls=bool(self.chat and self.output(index).has_calls))
         return choice
 
 

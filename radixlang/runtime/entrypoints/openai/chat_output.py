@@ -1,0 +1,74 @@
+"""One chat choice's output turned into an OpenAI message: reasoning split off, then tool calls parsed.
+
+``ChatOutput`` runs the reasoning parser (``--reasoning-parser``) and the tool-call
+parser (``--tool-call-parser``, when tools are active) over a choice's text, whole
+(``message``) or as it streams (``delta``), so a stream sends text as soon as no
+marker could be starting and tool-call arguments piece by piece.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from radixlang.runtime.entrypoints.openai.reasoning_parser import ReasoningParser, make_reasoning_parser
+from radixlang.runtime.entrypoints.openai.tool_parsers import ToolParser, make_tool_parser
+from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser
+from radixlang.runtime.entrypoints.openai.tool_parsers.llama3 import Llama3JsonParser
+
+
+class ChatOutput:
+    """Parsers for one choice; ``forced``: the whole reply is the grammar-forced ``{"name", "arguments"}`` JSON."""
+
+    def __init__(self, *, tool_parser: str | None, reasoning_parser: str | None, chat_template: str | None,
+                 tool_names: set[str], forced: bool, parallel: bool, separate_reasoning: bool = True) -> None:
+        self.reasoning: ReasoningParser | None = (
+            make_reasoning_parser(reasoning_parser) if reasoning_parser and separate_reasoning else None)
+        self.tools: ToolParser | None = None
+        if forced:
+            self.tools = Llama3JsonParser(tool_names)
+        elif tool_names and tool_parser:
+            self.tools = make_tool_parser(tool_parser, chat_template, tool_names)
+        elif reasoning_parser == "gpt-oss" and separate_reasoning:
+            self.tools = GptOssParser(set())  # harmony markers around the content: read it out, no calls
+        self.parallel = parallel
+        self.has_calls = False
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply as an OpenAI assistant message."""
+        msg: dict[str, Any] = {"role": "assistant"}
+        rest = text
+        if self.reasoning is not None:
+            split = self.reasoning.parse(text)
+            rest = split.rest
+            msg["reasoning_content"] = split.reasoning or None
+        if self.tools is None:
+            msg["content"] = rest
+            return msg
+        parsed = self.tools.parse(rest)
+        calls = parsed.calls if self.parallel else parsed.calls[:1]
+        msg["content"] = parsed.content
+        if calls:
+            self.has_calls = True
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg
+
+    def delta(self, piece: str, *, final: bool) -> dict[str, Any]:
+        """The delta fields ``piece`` (the reply's newest text) makes certain."""
+        out: dict[str, Any] = {}
+        rest = piece
+        if self.reasoning is not None:
+            split = self.reasoning.parse_delta(piece, final=final)
+            rest = split.rest
+            if split.reasoning:
+                out["reasoning_content"] = split.reasoning
+        if self.tools is None:
+            if rest:
+                out["content"] = rest
+            return out
+        d = self.tools.parse_delta(rest, final=final)
+        if d.content:
+            out["content"] = d.content
+        calls = [c for c in d.tool_calls if self.parallel or c["index"] == 0]
+        if calls:
+            self.has_calls = True
+            out["tool_calls"] = calls
+        return out

@@ -1,0 +1,225 @@
+"""The tool-call parser interface and the pieces the formats share.
+
+A parser sees the model's whole output text so far (``parse_delta`` takes the new
+piece and keeps the text) and re-reads it into a ``Snapshot``: the plain content
+that is certain, and the calls begun so far, each with its name once complete and
+the raw text of its arguments so far. Every format keeps a snapshot growing by
+prefixes only (content and each call's arguments only ever get longer), so the
+deltas are the differences between two snapshots, and a whole ``parse`` is the
+final snapshot: streamed and whole output agree by construction.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PartialCall:
+    name: str | None  # None until the name is complete
+    arguments: str = ""  # raw JSON text of the arguments so far (a prefix of the final text)
+    done: bool = False
+
+
+@dataclass
+class Snapshot:
+    content: str = ""
+    calls: list[PartialCall] = field(default_factory=list)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class Delta:
+    """What one ``parse_delta`` adds: content text and OpenAI tool-call delta entries."""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ParseResult:
+    content: str | None  # None only when there are calls and no text around them
+    calls: list[ToolCall]
+
+
+class ToolParser:
+    """One model family's tool-call format. Subclasses implement ``snapshot`` and list ``markers``."""
+    name = ""
+    markers: tuple[str, ...] = ()  # strings whose presence in a chat template names this format
+
+    def __init__(self, tool_names: set[str] | None = None) -> None:
+        self.tool_names = tool_names  # None: accept any name
+        self.text = ""
+        self._sent_content = 0
+        self._ids: list[str] = []  # one per reported call (known names only)
+        self._sent_args: list[int] = []
+
+    # -- what a format implements -----------------------------------------------------------------
+    def snapshot(self, text: str, *, final: bool) -> Snapshot:
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------------
+    def parse(self, text: str) -> ParseResult:
+        """The whole output at once."""
+        snap = self._known(self.snapshot(text, final=True))
+        calls = [ToolCall(id=_call_id(), name=c.name or "", arguments=c.arguments) for c in snap.calls]
+        # with calls, content is the text around them (None when there is none); without, the reply as it is
+        content = (snap.content.strip() or None) if calls else snap.content
+        return ParseResult(content=content, calls=calls)
+
+    def parse_delta(self, piece: str, *, final: bool = False) -> Delta:
+        """Add ``piece`` to the output; return the content and tool-call deltas it makes certain."""
+        self.text += piece
+        snap = self._known(self.snapshot(self.text, final=final))
+        delta = Delta(content=snap.content[self._sent_content:])
+        self._sent_content = max(self._sent_content, len(snap.content))
+        for index, call in enumerate(snap.calls):
+            if index == len(self._ids):
+                self._ids.append(_call_id())
+                self._sent_args.append(len(call.arguments))
+                delta.tool_calls.append({"index": index, "id": self._ids[index], "type": "function",
+                                         "function": {"name": call.name, "arguments": call.arguments}})
+            elif len(call.arguments) > self._sent_args[index]:
+                delta.tool_calls.append({"index": index, "function": {
+                    "arguments": call.arguments[self._sent_args[index]:]}})
+                self._sent_args[index] = len(call.arguments)
+        return delta
+
+    def _known(self, snap: Snapshot) -> Snapshot:
+        """Calls with a complete name, and only names among the tools (others are dropped)."""
+        calls = [c for c in snap.calls if c.name is not None
+                 and (self.tool_names is None or c.name in self.tool_names)]
+        return Snapshot(content=snap.content, calls=calls)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def marker_holdback(text: str, markers: tuple[str, ...] | list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a marker (it may yet become one)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+# ---- partial JSON -------------------------------------------------------------------------------
+_WS = " \t\r\n"
+
+
+def skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def skip_value(s: str, i: int) -> int | None:
+    """End index of the JSON value starting at s[i], or None if the text ends first."""
+    if i >= len(s):
+        return None
+    c = s[i]
+    if c == '"':
+        return _skip_string(s, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            ch = s[j]
+            if ch == '"':
+                end = _skip_string(s, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(s) and s[j] not in ",}] \t\r\n;":
+        j += 1
+    return j if j < len(s) else None  # a literal at the very end may still grow
+
+
+def _skip_string(s: str, i: int) -> int | None:
+    j = i + 1
+    while j < len(s):
+        if s[j] == "\\":
+            j += 2
+            continue
+        if s[j] == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+@dataclass
+class JsonCall:
+    call: PartialCall
+    end: int | None  # index just past the object, None while it is open
+
+
+def json_call(s: str, i: int, *, name_keys: tuple[str, ...] = ("name",),
+              args_keys: tuple[str, ...] = ("arguments", "parameters")) -> JsonCall | None:
+    """Read ``{"name": ..., "arguments": {...}}`` starting at s[i] (s[i] == "{"), as far as it goes.
+
+    Returns None when the text there cannot be such an object."""
+    if i >= len(s) or s[i] != "{":
+        return None
+    call = PartialCall(name=None)
+    j = skip_ws(s, i + 1)
+    while True:
+        if j >= len(s):
+            return JsonCall(call, None)
+        if s[j] == "}":
+            call.done = call.name is not None
+            return JsonCall(call, j + 1)
+        if s[j] != '"':
+            return None
+        key_end = _skip_string(s, j)
+        if key_end is None:
+            return JsonCall(call, None)
+        key = json.loads(s[j:key_end])
+        j = skip_ws(s, key_end)
+        if j >= len(s):
+            return JsonCall(call, None)
+        if s[j] != ":":
+            return None
+        j = skip_ws(s, j + 1)
+        value_end = skip_value(s, j)
+        if key in name_keys:
+            if value_end is None:
+                return JsonCall(call, None)
+            try:
+                name = json.loads(s[j:value_end])
+            except ValueError:
+                return None
+            if not isinstance(name, str):
+                return None
+            call.name = name
+        elif key in args_keys:
+            call.arguments = s[j:] if value_end is None else s[j:value_end]
+            if value_end is None:
+                return JsonCall(call, None)
+        elif value_end is None:
+            return JsonCall(call, None)
+        j = skip_ws(s, value_end)
+        if j < len(s) and s[j] == ",":
+            j = skip_ws(s, j + 1)

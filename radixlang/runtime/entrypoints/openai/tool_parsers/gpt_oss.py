@@ -1,0 +1,84 @@
+"""gpt-oss (OpenAI harmony): messages ``<|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]<|message|>BODY``
+ended by ``<|call|>``, ``<|end|>`` or ``<|return|>``, with ``<|start|>assistant`` before each later message.
+A message to ``functions.NAME`` is a call (BODY its JSON arguments); the final channel (and commentary with no
+recipient: a preamble) is content; the analysis channel is reasoning, which this parser leaves out."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from radixlang.runtime.entrypoints.openai.tool_parsers.base import (
+    PartialCall, Snapshot, ToolParser, marker_holdback,
+)
+
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+ENDS = ("<|call|>", "<|end|>", "<|return|>")
+_RECIPIENT = re.compile(r"to=functions\.([\w.\-]+)")
+_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+@dataclass
+class HarmonyMessage:
+    channel: str | None  # None: text outside any message header
+    recipient: str | None
+    body: str
+    closed: bool
+    span: tuple[int, int] = (0, 0)  # the message's text, header and end marker included (as far as certain)
+
+
+def harmony_messages(text: str, *, final: bool) -> list[HarmonyMessage]:
+    """Split text into messages; an open header or a body ending in a possible end marker is held back."""
+    out: list[HarmonyMessage] = []
+    pos = 0
+    while pos < len(text):
+        head = _next_header(text, pos)
+        if head == -1:
+            tail = text[pos:]
+            keep = len(tail) if final else len(tail) - marker_holdback(tail, (START, CHANNEL))
+            if tail[:keep]:
+                out.append(HarmonyMessage(None, None, tail[:keep], closed=True, span=(pos, pos + keep)))
+            return out
+        if head > pos:
+            out.append(HarmonyMessage(None, None, text[pos:head], closed=True, span=(pos, head)))
+        msg = text.find(MESSAGE, head)
+        if msg == -1:
+            return out  # the header is still being written
+        header = text[head:msg]
+        channel = _CHANNEL_NAME.search(header)
+        recipient = _RECIPIENT.search(header)
+        body_start = msg + len(MESSAGE)
+        ends = [(text.find(e, body_start), e) for e in ENDS]
+        ends = [(i, e) for i, e in ends if i != -1]
+        if ends:
+            end, marker = min(ends)
+            pos = end + len(marker)
+            out.append(HarmonyMessage(channel.group(1) if channel else None,
+                                      recipient.group(1) if recipient else None, text[body_start:end], True,
+                                      span=(head, pos)))
+            continue
+        body = text[body_start:]
+        keep = len(body) if final else len(body) - marker_holdback(body, ENDS)
+        out.append(HarmonyMessage(channel.group(1) if channel else None,
+                                  recipient.group(1) if recipient else None, body[:keep], final,
+                                  span=(head, body_start + keep)))
+        return out
+    return out
+
+
+def _next_header(text: str, pos: int) -> int:
+    found = [i for i in (text.find(START, pos), text.find(CHANNEL, pos)) if i != -1]
+    return min(found) if found else -1
+
+
+class GptOssParser(ToolParser):
+    name = "gpt-oss"
+    markers = ("<|channel|>", "<|constrain|>")
+
+    def snapshot(self, text: str, *, final: bool) -> Snapshot:
+        snap = Snapshot()
+        for m in harmony_messages(text, final=final):
+            if m.recipient is not None:
+                snap.calls.append(PartialCall(name=m.recipient, arguments=m.body, done=m.closed))
+            elif m.channel != "analysis":
+                snap.content += m.body
+        return snap
