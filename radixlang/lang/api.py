@@ -67,6 +67,16 @@ def select(name: str | None = None, choices: Sequence[str] | None = None, temper
     return ir.Select(name, list(choices), float(temperature), choices_method)
 
 
+def separate_reasoning(expr: ir.Expr, model_type: str = "deepseek-r1") -> ir.Expr:
+    """After ``expr`` (a named gen), split its variable into the answer (kept under its name, and in the
+    text) and the reasoning, stored as ``<name>_reasoning_content``, as SGLang's ``sgl.separate_reasoning``."""
+    if not isinstance(expr, ir.Gen) or expr.name is None:
+        raise TypeError("separate_reasoning takes a named gen(...)")
+    if model_type not in ir.REASONING_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {', '.join(ir.REASONING_MODEL_TYPES)}, got {model_type!r}")
+    return ir.ExprList([expr, ir.SeparateReasoning(expr.name, model_type)])
+
+
 def _role(role: str, expr: Any) -> ir.Expr:
     if expr is None:
         return ir.RoleBegin(role) + ir.RoleEnd(role)

@@ -201,11 +201,24 @@ class StreamExecutor:
                 self._set_var(name, self.text_[self._scopes.pop(name):], emit=True)
             case ir.SetVar(name=name, value=value):
                 self._set_var(name, value, emit=True)
+            case ir.SeparateReasoning():
+                self._separate_reasoning(node)
             case ir.CachePrefix():
                 if self.text_:
                     self.backend.cache_prefix(self.text_)
             case _:
                 raise TypeError(f"expected a DSL expression, got {type(node).__name__}")
+
+    def _separate_reasoning(self, node: ir.SeparateReasoning) -> None:
+        value = self.variables.get(node.name)
+        if not isinstance(value, str):
+            raise ValueError(f"separate_reasoning: variable {node.name!r} holds no generated text")
+        reasoning, answer = ir.split_reasoning(value, node.model_type)
+        with self.cond:
+            if self.text_.endswith(value):  # the text keeps the answer only, as SGLang's does
+                self.text_ = self.text_[:len(self.text_) - len(value)] + answer
+        self._set_var(node.name, answer, self.meta_info.get(node.name))
+        self._set_var(node.reasoning_name, reasoning)
 
     def _execute_gen(self, node: ir.Gen) -> None:
         params = self.resolve(node)

@@ -110,6 +110,17 @@ class SubProgram(Expr):
     kwargs: dict[str, Any]
 
 
+@dataclass(eq=False)
+class SeparateReasoning(Expr):
+    """Split variable ``name`` (a gen's output) into its answer and ``<name>_reasoning_content``."""
+    name: str
+    model_type: str
+
+    @property
+    def reasoning_name(self) -> str:
+        return f"{self.name}_reasoning_content"
+
+
 def to_expr(value: Any) -> Expr:
     if isinstance(value, Expr):
         return value
@@ -131,6 +142,8 @@ def produced_var(expr: Expr) -> str | None:
         return expr.name
     if isinstance(expr, (VarScopeEnd, SetVar)):
         return expr.name
+    if isinstance(expr, SeparateReasoning):
+        return expr.reasoning_name
     return None
 
 
@@ -139,3 +152,22 @@ def regex_for_dtype(dtype: Any) -> str:
     if key not in DTYPE_REGEX:
         raise ValueError(f"dtype must be one of int, float, str, bool (or their names), got {dtype!r}")
     return DTYPE_REGEX[key]
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_MODEL_TYPES = ("deepseek-r1", "qwen3")
+
+
+def split_reasoning(text: str, model_type: str) -> tuple[str, str]:
+    """(reasoning, answer) of a reply with ``<think>...</think>`` reasoning, as the server's reasoning parsers
+    split it: deepseek-r1 replies start inside the reasoning (its template opens <think>), qwen3 replies only
+    reason when they start with <think>."""
+    body = text.lstrip()
+    if body.startswith(THINK_OPEN):
+        body = body[len(THINK_OPEN):]
+    elif model_type == "qwen3":
+        return "", text
+    else:
+        body = text
+    head, sep, tail = body.partition(THINK_CLOSE)
+    return (head, tail.lstrip("\n")) if sep else (body, "")

@@ -238,3 +238,30 @@ def test_raw_engine_like_object_is_wrapped():
     assert isinstance(wrapped, EngineBackend)
     with pytest.raises(TypeError, match="Backend or a radixlang Engine"):
         as_backend(object())
+
+
+@pytest.mark.parametrize("model_type,reply,reasoning,answer", [
+    ("deepseek-r1", "Two plus two.\n</think>\n\n4", "Two plus two.\n", "4"),
+    ("qwen3", "<think>Add them.</think>4", "Add them.", "4"),
+    ("qwen3", "4", "", "4"),
+])
+def test_separate_reasoning_splits_the_gen_variable(model_type, reply, reasoning, answer):
+    be = FakeBackend(lambda text, p: reply)
+
+    @sgl.function
+    def prog(s):
+        s += "Q: 2+2?\nA:" + sgl.separate_reasoning(sgl.gen("answer", max_tokens=32), model_type=model_type)
+        s += " Then:" + sgl.gen("more", max_tokens=2)
+
+    state = prog.run(backend=be)
+    assert state["answer"] == answer
+    assert state["answer_reasoning_content"] == reasoning
+    assert state.text().startswith("Q: 2+2?\nA:" + answer + " Then:")
+    assert be.of_kind("generate")[1][0] == "Q: 2+2?\nA:" + answer + " Then:"
+
+
+def test_separate_reasoning_refuses_what_it_cannot_split():
+    with pytest.raises(TypeError, match="named gen"):
+        sgl.separate_reasoning(sgl.gen(max_tokens=3))
+    with pytest.raises(ValueError, match="model_type"):
+        sgl.separate_reasoning(sgl.gen("x"), model_type="nope")
