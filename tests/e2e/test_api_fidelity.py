@@ -49,7 +49,15 @@ def test_logprob_start_len_past_the_prompt_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
     ok = _gen(server, input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1}, return_logprob=True,
               logprob_start_len=2)
-    assert len(ok["meta_info"]["input_token_logprobs"]) == 1
+    whole = _gen(server, input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                 logprob_start_len=0)["meta_info"]["input_token_logprobs"]
+    # a start with a left context is scored (position 0 alone has no logprob)
+    assert whole[0][0] is None
+    assert [e[1] for e in ok["meta_info"]["input_token_logprobs"]] == [7]
+    assert ok["meta_info"]["input_token_logprobs"][0][0] == pytest.approx(whole[2][0], abs=1e-4)
+    r = server.post("/generate", json={"text": ["a b c d", "a"], "sampling_params": {"max_new_tokens": 1},
+                                       "return_logprob": True, "logprob_start_len": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
 
 
 def test_logit_bias_native_and_openai(server):

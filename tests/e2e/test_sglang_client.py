@@ -44,17 +44,8 @@ def test_gen_matches_our_generate(backend):
     assert state.get_meta_info("answer")["completion_tokens"] == 6
 
 
-# SGLang's servers and ours both report the first requested input position's logprob as None; sglang's
-# select drops that entry only when the prefix text ends with that token's text (its token-healing check),
-# which it does not for the second-to-last prefix token it asks from, and these two methods then take
-# np.mean over a None. Kept strict so the test flags the day either side changes.
-_NONE_FIRST = pytest.mark.xfail(strict=True,
-                                reason="sglang's client averages the None first input logprob")
-
-
-@pytest.mark.parametrize("method", ["token_length_normalized",
-                                    pytest.param("greedy_token_selection", marks=_NONE_FIRST),
-                                    pytest.param("unconditional_likelihood_normalized", marks=_NONE_FIRST)])
+@pytest.mark.parametrize("method", ["token_length_normalized", "greedy_token_selection",
+                                    "unconditional_likelihood_normalized"])
 def test_select_every_choices_method(backend, method):
     choices = ["red", "green apple", "blue sky today"]
 
@@ -73,6 +64,13 @@ def test_select_every_choices_method(backend, method):
     for c, entries in zip(choices, meta["input_token_logprobs"]):
         assert all(isinstance(e[2], str) for e in entries)
         assert "".join(e[2] for e in entries).endswith(c)
+        # every entry is the real logprob of its token, as a request for the whole prompt's logprobs says
+        whole = httpx.post(backend.url + "/generate", json={
+            "text": "My favourite colour is " + c, "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "logprob_start_len": 0}, timeout=60).json()["meta_info"]["input_token_logprobs"]
+        tail = whole[len(whole) - len(entries):]
+        assert [e[1] for e in tail] == [e[1] for e in entries]
+        assert [e[0] for e in tail] == pytest.approx([e[0] for e in entries], abs=1e-4)
     if method == "token_length_normalized":
         assert decision == " " + choices[max(range(3), key=lambda i: scores[i])]
     if method == "unconditional_likelihood_normalized":

@@ -120,3 +120,33 @@ def fill_logprob_text(tokenizer: Any, out: dict[str, Any]) -> dict[str, Any]:
         if meta.get(key) is not None:
             meta[key] = [None if row is None else [entry(e) for e in row] for row in meta[key]]
     return out
+
+
+def scored_logprob_start(tokenizer: Any, req: GenerateRequest) -> int | None:
+    """The logprob_start_len to ask the runtime for, so that position ``logprob_start_len`` itself is scored.
+
+    The runtime (like SGLang's) reports None for the first requested position; when that position has a left
+    context (start >= 1) we ask from one earlier and drop that entry (``drop_first_input_logprob``), so every
+    reported prompt token has its logprob. SGLang's client needs this: its select averages those entries and
+    drops the first only when the prefix text ends with its token. A start at or past the prompt is a 400."""
+    start = req.logprob_start_len
+    if not req.return_logprob or start is None or start < 1:
+        return start
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    else:
+        ids = req.input_ids or []
+        lengths = [len(ids)] if ids and isinstance(ids[0], int) else [len(x) for x in ids]
+    if lengths and start >= min(lengths):
+        raise RequestError(f"logprob_start_len must be < the prompt's {min(lengths)} tokens, got {start}",
+                           "logprob_start_len")
+    return start - 1
+
+
+def drop_first_input_logprob(out: dict[str, Any]) -> dict[str, Any]:
+    meta = out["meta_info"]
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        if meta.get(key):
+            meta[key] = meta[key][1:]
+    return out

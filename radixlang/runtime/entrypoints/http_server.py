@@ -15,7 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, GenerateRequest, chat_template_of, check_outputs, error_response, fill_logprob_text, model_name, named_field, parse_model,
+    Front, GenerateRequest, chat_template_of, check_outputs, drop_first_input_logprob, error_response,
+    fill_logprob_text, model_name, named_field, parse_model, scored_logprob_start,
 )
 from radixlang.runtime.entrypoints.metrics import make_registry, render
 from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
@@ -105,20 +106,26 @@ def create_app(engine: Front) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         req = parse_model(GenerateRequest, await body_of(request))
+        start = scored_logprob_start(engine.tokenizer, req)
         kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
-              "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
+              "return_logprob": req.return_logprob, "logprob_start_len": start,
               "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
         with_text = req.return_logprob and req.return_text_in_logprobs
+        shifted = start != req.logprob_start_len
+
+        def finish(o: dict[str, Any]) -> dict[str, Any]:
+            if shifted:
+                drop_first_input_logprob(o)
+            return fill_logprob_text(engine.tokenizer, o) if with_text else o
+
         if req.stream:
             it = await engine.stream(**kw)
-            fill = (lambda o: fill_logprob_text(engine.tokenizer, o)) if with_text else None
-            return StreamingResponse(_sse(request, it, fill), media_type="text/event-stream")
+            return StreamingResponse(_sse(request, it, finish), media_type="text/event-stream")
         out = await engine.generate(**kw)
         outs = out if isinstance(out, list) else [out]
         check_outputs(outs, "text" if req.text is not None else "input_ids")
-        if with_text:
-            for o in outs:
-                fill_logprob_text(engine.tokenizer, o)
+        for o in outs:
+            finish(o)
         return Response(orjson.dumps(out), media_type="application/json")
 
     @app.get("/v1/models")
