@@ -20,7 +20,7 @@ TEMPLATE = ("{% if shout %}LOUD LOUD LOUD {% endif %}{% for m in messages %}{{ m
 def server(tiny_model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     path.write_text(TEMPLATE)
-    with live_server(tiny_model_dir, chat_template=str(path)) as url:
+    with live_server(tiny_model_dir, chat_template=str(path), reasoning_parser="qwen3") as url:
         yield httpx.Client(base_url=url, timeout=120)
 
 
@@ -136,3 +136,35 @@ def test_stream_with_tools_sends_text_as_it_comes(server):
     pieces = [c["choices"][0]["delta"].get("content") for c in chunks]
     assert sum(1 for p in pieces if p) > 1  # not held back to the end
     assert "".join(p for p in pieces if p) == whole["content"]
+
+
+def _sse_deltas(r):
+    return [json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+
+
+def test_reasoning_and_tool_call_from_a_constrained_reply_whole_and_streamed(server):
+    # the regex makes the random-weight model write a qwen3 reply: reasoning, then a hermes tool call
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    regex = r'<think>[a-z]{3,8}</think>ok<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,6}"\}\}</tool_call>'
+    body = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 80, "temperature": 0,
+            "tools": [tool], "regex": regex}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert re.fullmatch("[a-z]{3,8}", msg["reasoning_content"]) and msg["content"] == "ok"
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert re.fullmatch("[a-z]{2,6}", json.loads(call["function"]["arguments"])["city"])
+    deltas = _sse_deltas(server.post("/v1/chat/completions", json={**body, "stream": True}))
+    reasoning = "".join(d["delta"].get("reasoning_content") or "" for d in deltas)
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+    assert (reasoning, content) == (msg["reasoning_content"], "ok")
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    plain = server.post("/v1/chat/completions", json={**body, "separate_reasoning": False, "tools": None})
+    assert plain.json()["choices"][0]["message"]["content"].startswith("<think>")

@@ -19,7 +19,9 @@ class ChatOutput:
     """Parsers for one choice; ``forced``: the whole reply is the grammar-forced ``{"name", "arguments"}`` JSON."""
 
     def __init__(self, *, tool_parser: str | None, reasoning_parser: str | None, chat_template: str | None,
-                 tool_names: set[str], forced: bool, parallel: bool, separate_reasoning: bool = True) -> None:
+                 tool_names: set[str], forced: bool, parallel: bool, separate_reasoning: bool = True,
+                 drop: tuple[str, ...] = ()) -> None:
+        self.drop = drop  # special tokens (EOS ...) the text carries because markers made us keep them
         self.reasoning: ReasoningParser | None = (
             make_reasoning_parser(reasoning_parser) if reasoning_parser and separate_reasoning else None)
         self.tools: ToolParser | None = None
@@ -35,7 +37,7 @@ class ChatOutput:
     def message(self, text: str) -> dict[str, Any]:
         """The whole reply as an OpenAI assistant message."""
         msg: dict[str, Any] = {"role": "assistant"}
-        rest = text
+        rest = text = self._clean(text)
         if self.reasoning is not None:
             split = self.reasoning.parse(text)
             rest = split.rest
@@ -54,7 +56,7 @@ class ChatOutput:
     def delta(self, piece: str, *, final: bool) -> dict[str, Any]:
         """The delta fields ``piece`` (the reply's newest text) makes certain."""
         out: dict[str, Any] = {}
-        rest = piece
+        rest = piece = self._clean(piece)
         if self.reasoning is not None:
             split = self.reasoning.parse_delta(piece, final=final)
             rest = split.rest
@@ -72,3 +74,32 @@ class ChatOutput:
             self.has_calls = True
             out["tool_calls"] = calls
         return out
+
+    def _clean(self, text: str) -> str:
+        for token in self.drop:
+            text = text.replace(token, "")
+        return text
+
+    @property
+    def syntax(self) -> tuple[str, ...]:
+        """The markers its parsers read."""
+        return (self.reasoning.syntax if self.reasoning else ()) + (self.tools.syntax if self.tools else ())
+
+
+def special_tokens(tokenizer: Any) -> set[str]:
+    """Strings a decode with skip_special_tokens=True would remove."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            found.add(str(tok))
+    return found
+
+
+def keep_special_markers(output: ChatOutput, tokenizer: Any) -> tuple[bool, tuple[str, ...]]:
+    """Whether the reply must be decoded with special tokens (some marker the parsers read is one), and
+    then which other special tokens (EOS, padding ...) to drop from the text before parsing."""
+    special = special_tokens(tokenizer)
+    needed = special & set(output.syntax)
+    if not needed:
+        return False, ()
+    return True, tuple(sorted(special - needed, key=len, reverse=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixlang.runtime.entrypoints.openai.tool_parsers.base import marker_holdback
-from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import harmony_messages
+from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser, harmony_messages
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -22,6 +22,7 @@ class Split:
 
 class ReasoningParser:
     name = ""
+    syntax: tuple[str, ...] = (THINK_OPEN, THINK_CLOSE)  # the markers it reads
 
     def __init__(self) -> None:
         self.text = ""
@@ -84,6 +85,7 @@ class Qwen3Parser(ReasoningParser):
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss: the analysis channel is the reasoning; every other message is kept, markers and all."""
     name = "gpt-oss"
+    syntax = GptOssParser.syntax
 
     def snapshot(self, text: str, *, final: bool) -> Split:
         reasoning, rest = "", ""

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixlang.runtime.entrypoints.http_common import (
     Front, chat_template_of, check_outputs, model_name, named_field, parse_model,
 )
-from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
+from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers
 from radixlang.runtime.entrypoints.openai.protocol import (
     ChatRequest, CompletionRequest, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
     completion_logprobs, echo_logprobs, envelope, finish_reason, to_sampling, usage,
@@ -44,8 +44,26 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     prompt = chat_prompt(engine.tokenizer, req, tools, chat_template_of(engine) if engine.server_args.chat_template
                          else None)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return await _serve_openai(engine, req, [prompt], to_sampling(req, constraint), chat=True,
-                               tools=tools, top_logprobs=top)
+    params = to_sampling(req, constraint)
+    probe = _chat_output(engine, req, tools, drop=())
+    keep, drop = keep_special_markers(probe, engine.tokenizer)
+    if keep and req.skip_special_tokens is None:  # the format's markers are special tokens: decode them
+        params["skip_special_tokens"] = False
+    else:
+        drop = ()
+    return await _serve_openai(engine, req, [prompt], params, chat=True, tools=tools, top_logprobs=top, drop=drop)
+
+
+def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tuple[str, ...]) -> ChatOutput:
+    args = engine.server_args
+    return ChatOutput(tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                      chat_template=chat_template_of(engine), tool_names={t.function.name for t in tools},
+                      forced=_forced(req, tools), parallel=req.parallel_tool_calls is not False,
+                      separate_reasoning=req.separate_reasoning, drop=drop)
+
+
+def _forced(req: Any, tools: list[Tool]) -> bool:
+    return bool(tools) and isinstance(req, ChatRequest) and req.tool_choice not in (None, "auto")
 
 
 def _completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
@@ -59,10 +77,11 @@ def _completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
 
 
 async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
-                        chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool = False) -> Response:
+                        chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool = False,
+                        drop: tuple[str, ...] = ()) -> Response:
     try:
         return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs,
-                                 echo=echo)
+                                 echo=echo, drop=drop)
     except RequestError as e:  # report the field by its OpenAI name
         param = e.param or named_field(str(e))
         fallback = "messages" if chat and param in ("prompt", None) else param
@@ -70,7 +89,8 @@ async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str
 
 
 async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
-                      chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool) -> Response:
+                      chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool,
+                      drop: tuple[str, ...]) -> Response:
     if len(prompts) * req.n > _MAX_CHOICES:
         raise RequestError(f"prompts x n must be <= {_MAX_CHOICES}, got {len(prompts) * req.n}", "n")
     key = "input_ids" if prompts and not isinstance(prompts[0], str) else "prompt"
@@ -78,9 +98,9 @@ async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, 
     if echo and top_logprobs is not None:
         lp["logprob_start_len"] = 0  # the prompt's logprobs come first, as OpenAI's echo gives them
     ctx = _Ctx(engine=engine, model=req.model or model_name(engine), chat=chat, tools=tools,
-               forced=bool(tools) and req.tool_choice not in (None, "auto") if chat else False,
-               logprobs=top_logprobs is not None, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-               req=req, echo_texts=_echo_texts(engine, prompts, req.n) if echo else None)
+               forced=_forced(req, tools), logprobs=top_logprobs is not None,
+               rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", req=req,
+               echo_texts=_echo_texts(engine, prompts, req.n) if echo else None, drop=drop)
     param = "messages" if chat else "prompt"
     if not req.stream:
         outs = await engine.generate(**{key: prompts}, sampling_params={**params, "n": req.n}, **lp)
@@ -112,21 +132,16 @@ class _Ctx:
     """What building one OpenAI response (or its chunks) needs."""
 
     def __init__(self, *, engine: Front, model: str, chat: bool, tools: list[Tool], forced: bool, logprobs: bool,
-                 rid: str, req: Any, echo_texts: list[str] | None = None) -> None:
+                 rid: str, req: Any, echo_texts: list[str] | None = None, drop: tuple[str, ...] = ()) -> None:
         self.engine, self.model, self.chat, self.tools, self.forced = engine, model, chat, tools, forced
         self.logprobs, self.rid, self.echo_texts = logprobs, rid, echo_texts
         self.outputs: dict[int, ChatOutput] = {}
-        self.req = req
+        self.req, self.drop = req, drop
 
     def output(self, index: int) -> ChatOutput:
         """The parsers of choice ``index`` (made on first use: a stream keeps them across chunks)."""
         if index not in self.outputs:
-            args = self.engine.server_args
-            self.outputs[index] = ChatOutput(
-                tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                chat_template=chat_template_of(self.engine), tool_names={t.function.name for t in self.tools},
-                forced=self.forced, parallel=self.req.parallel_tool_calls is not False,
-                separate_reasoning=self.req.separate_reasoning)
+            self.outputs[index] = _chat_output(self.engine, self.req, self.tools, drop=self.drop)
         return self.outputs[index]
 
     def choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class ToolParser:
     """One model family's tool-call format. Subclasses implement ``snapshot`` and list ``markers``."""
     name = ""
     markers: tuple[str, ...] = ()  # strings whose presence in a chat template names this format
+    syntax: tuple[str, ...] = ()  # every marker the format writes (kept in the text when they are special tokens)
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names  # None: accept any name

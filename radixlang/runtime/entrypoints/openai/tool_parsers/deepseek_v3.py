@@ -37,6 +37,7 @@ def _read_call(text: str, i: int) -> tuple[PartialCall | None, int | None]:
 class DeepSeekV3Parser(ToolParser):
     name = "deepseekv3"
     markers = (CALLS_BEGIN,)
+    syntax = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(CALLS_BEGIN)

@@ -73,6 +73,7 @@ def _next_header(text: str, pos: int) -> int:
 class GptOssParser(ToolParser):
     name = "gpt-oss"
     markers = ("<|channel|>", "<|constrain|>")
+    syntax = (START, CHANNEL, MESSAGE, "<|constrain|>", *ENDS)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         snap = Snapshot()

@@ -51,6 +51,7 @@ def read_json_body(body: str, closed: bool):
 class HermesParser(ToolParser):
     name = "hermes"
     markers = (OPEN,)
+    syntax = (OPEN, CLOSE)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         return tagged_snapshot(text, OPEN, CLOSE, final=final, read_body=read_json_body)

@@ -32,6 +32,7 @@ def json_sequence(text: str, i: int, *, final: bool, separators: str = ";,") -> 
 class Llama3JsonParser(ToolParser):
     name = "llama3"
     markers = (PYTHON_TAG,)
+    syntax = (PYTHON_TAG,)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         lead = skip_ws(text, 0)

@@ -10,6 +10,7 @@ MARKER = "[TOOL_CALLS]"
 class MistralParser(ToolParser):
     name = "mistral"
     markers = (MARKER,)
+    syntax = (MARKER,)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(MARKER)

@@ -41,6 +41,7 @@ def parse_call_list(source: str) -> list[PartialCall] | None:
 class PythonicParser(ToolParser):
     name = "pythonic"
     markers = (_WRAP_OPEN,)
+    syntax = (_WRAP_OPEN, _WRAP_CLOSE)
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         body = text.replace(_WRAP_OPEN, "").replace(_WRAP_CLOSE, "")

@@ -1,0 +1,95 @@
+"""ChatOutput (reasoning parser, then tool-call parser), the special-token rule, and the new sampling params."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.managers.detokenizer import trim_at_stop_regex
+from radixlang.runtime.sampling.sampler import apply_logit_bias
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+
+
+def _out(**kw):
+    base = dict(tool_parser="auto", reasoning_parser=None, chat_template=None, tool_names={"get_weather", "add"},
+                forced=False, parallel=True)
+    return ChatOutput(**{**base, **kw})
+
+
+def test_reasoning_then_tool_call_whole_and_streamed():
+    text = ('<think>Need the weather.</think>\n\nOn it.<tool_call>{"name": "get_weather", '
+            '"arguments": {"city": "Nice"}}</tool_call>')
+    msg = _out(reasoning_parser="qwen3").message(text)
+    assert msg["reasoning_content"] == "Need the weather."
+    assert msg["content"] == "On it."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("get_weather", {"city": "Nice"})]
+    out = _out(reasoning_parser="qwen3")
+    got = {"reasoning_content": "", "content": "", "args": ""}
+    for k in range(0, len(text), 4):
+        d = out.delta(text[k:k + 4], final=k + 4 >= len(text))
+        got["reasoning_content"] += d.get("reasoning_content", "")
+        got["content"] += d.get("content", "")
+        got["args"] += "".join(c["function"]["arguments"] for c in d.get("tool_calls", []))
+    assert got == {"reasoning_content": "Need the weather.", "content": "On it.", "args": '{"city": "Nice"}'}
+    assert out.has_calls
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
+    assert len(_out().message(text)["tool_calls"]) == 2
+    assert [c["function"]["arguments"] for c in _out(parallel=False).message(text)["tool_calls"]] == ['{"a": 1}']
+
+
+def test_forced_call_streams_name_then_argument_pieces():
+    text = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    out = _out(forced=True)
+    entries = [e for k in range(0, len(text), 3) for e in out.delta(text[k:k + 3], final=k + 3 >= len(text))
+               .get("tool_calls", [])]
+    assert entries[0]["function"]["name"] == "add" and entries[0]["id"].startswith("call_")
+    assert "".join(e["function"]["arguments"] for e in entries) == '{"a": 1, "b": 2}'
+    assert len(entries) > 2
+
+
+class _Tok:
+    all_special_tokens = ["<|begin_of_text|>", "<|eot_id|>", "<|python_tag|>"]
+    added_tokens_decoder: dict = {}
+
+
+def test_special_token_markers_are_kept_and_other_special_tokens_dropped():
+    out = _out(tool_parser="llama3")
+    keep, drop = keep_special_markers(out, _Tok())
+    assert keep and set(drop) == {"<|begin_of_text|>", "<|eot_id|>"}
+    msg = _out(tool_parser="llama3", drop=drop).message(
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}<|eot_id|>')
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert keep_special_markers(_out(tool_parser="hermes"), _Tok()) == (False, ())
+
+
+def test_logit_bias_and_stop_regex_validation():
+    p = SamplingParams(logit_bias={"5": 2.5, 7: -100}, stop_regex=r"\d+")
+    assert p.logit_bias_ids == [(5, 2.5), (7, -100.0)] and p.stop_regex == [r"\d+"]
+    for bad in ({"-1": 1}, {"a": 1}, {"3": 100.5}, {"3": True}, [1, 2]):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.param == "logit_bias"
+    with pytest.raises(RequestError) as e:
+        SamplingParams(stop_regex=["(open"])
+    assert e.value.param == "stop_regex"
+
+
+def test_apply_logit_bias_adds_per_row():
+    logits = torch.zeros(2, 6)
+    apply_logit_bias(logits, [SamplingParams(logit_bias={"1": 3.0, "4": -2.0}), SamplingParams()])
+    assert logits.tolist() == [[0, 3, 0, 0, -2, 0], [0] * 6]
+
+
+@pytest.mark.parametrize("text,pattern,start,want", [
+    ("abc 123 def", r"\d+", 0, "abc "), ("abc 123 def", r"\d+", 5, "abc 1"), ("no digits", r"\d", 0, "no digits"),
+])
+def test_trim_at_stop_regex(text, pattern, start, want):
+    assert trim_at_stop_regex(text, pattern, start) == want
