@@ -93,3 +93,29 @@ def test_apply_logit_bias_adds_per_row():
 ])
 def test_trim_at_stop_regex(text, pattern, start, want):
     assert trim_at_stop_regex(text, pattern, start) == want
+
+
+class _TemplateTok:
+    chat_template = None
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, chat_template=None, **kw):
+        import jinja2
+        return jinja2.Template(chat_template).render(messages=messages, **kw)
+
+
+def test_history_tool_calls_reach_a_template_that_renders_them():
+    from radixlang.runtime.entrypoints.openai.protocol import ChatRequest, chat_prompt
+    tpl = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+           "[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+           "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %};{% endfor %}")
+    req = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], "chat_template_kwargs": {"x": 1}})
+    assert chat_prompt(_TemplateTok(), req, [], tpl) == 'user:w?;assistant:[get_weather {"city": "Rome"}];tool:sunny(c1);'
+    bad = ChatRequest.model_validate({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+    with pytest.raises(RequestError) as e:
+        chat_prompt(_TemplateTok(), bad, [], tpl)
+    assert e.value.param == "messages"

@@ -185,8 +185,9 @@ def _tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None) -> str:
     """The prompt text; ``template`` (--chat-template's text) replaces the tokenizer's chat template."""
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
     template = template or getattr(tokenizer, "chat_template", None)
+    native = "tool_calls" in (template or "")  # the template renders assistant tool calls itself
+    messages = [_message(i, m, native_tool_calls=native) for i, m in enumerate(req.messages)]
     if tools and "tools" not in (template or ""):
         # the template cannot render tools: describe them and the call format in a system message
         spec = json.dumps([t.function.model_dump(exclude_none=True) for t in tools])
@@ -208,8 +209,9 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: s
         raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
 
 
-def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+def _message(i: int, m: dict[str, Any], *, native_tool_calls: bool = False) -> dict[str, Any]:
     role, content = m.get("role"), m.get("content")
+    calls = m.get("tool_calls") if role == "assistant" else None
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise RequestError(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}",
                          "messages")
@@ -219,11 +221,31 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
             raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}", "messages")
         content = "".join(p["text"] for p in content)
     elif content is None and role == "assistant":
-        content = "".join(f"{_TOOL_CALL_OPEN}{json.dumps(c.get('function'))}{_TOOL_CALL_CLOSE}"
-                          for c in m.get("tool_calls") or [] if isinstance(c, dict))
+        content = "" if native_tool_calls else "".join(
+            f"{_TOOL_CALL_OPEN}{json.dumps(c.get('function'))}{_TOOL_CALL_CLOSE}"
+            for c in calls or [] if isinstance(c, dict))
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if calls and native_tool_calls:
+        out["tool_calls"] = [_history_call(i, c) for c in calls]
+    if role == "tool":
+        out.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+    return out
+
+
+def _history_call(i: int, call: Any) -> dict[str, Any]:
+    """An earlier assistant tool call for the template, its arguments as an object (templates print them)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{i}].tool_calls entries need function.name", "messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise RequestError(f"messages[{i}].tool_calls arguments must be JSON, got {args!r}", "messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 # ---- responses ----------------------------------------------------------------------------------
