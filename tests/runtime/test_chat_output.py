@@ -119,3 +119,15 @@ def test_history_tool_calls_reach_a_template_that_renders_them():
     with pytest.raises(RequestError) as e:
         chat_prompt(_TemplateTok(), bad, [], tpl)
     assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral", "pythonic"])
+def test_a_template_without_tools_is_told_the_parsers_call_format(parser):
+    from radixlang.runtime.entrypoints.openai.protocol import ChatRequest, Tool, chat_prompt
+    from radixlang.runtime.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    tpl = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    prompt = chat_prompt(_TemplateTok(), req, [tool], tpl, call_format=TOOL_PARSERS[parser].example)
+    assert prompt.startswith("system:You may call these functions:") and '"get_weather"' in prompt
+    assert TOOL_PARSERS[parser].example in prompt

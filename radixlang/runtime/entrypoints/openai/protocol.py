@@ -183,16 +183,17 @@ def _tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None) -> str:
-    """The prompt text; ``template`` (--chat-template's text) replaces the tokenizer's chat template."""
+def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None, *,
+                call_format: str = _TOOL_CALL_OPEN + '{"name": NAME, "arguments": {...}}' + _TOOL_CALL_CLOSE) -> str:
+    """The prompt text; ``template`` (--chat-template's text) replaces the tokenizer's chat template;
+    ``call_format`` is how the tool-call parser in use expects a call (told when the template has no tools)."""
     template = template or getattr(tokenizer, "chat_template", None)
     native = "tool_calls" in (template or "")  # the template renders assistant tool calls itself
     messages = [_message(i, m, native_tool_calls=native) for i, m in enumerate(req.messages)]
     if tools and "tools" not in (template or ""):
         # the template cannot render tools: describe them and the call format in a system message
         spec = json.dumps([t.function.model_dump(exclude_none=True) for t in tools])
-        note = (f"You may call these functions: {spec}\nTo call one, reply with {_TOOL_CALL_OPEN}"
-                f'{{"name": ..., "arguments": {{...}}}}{_TOOL_CALL_CLOSE}.')
+        note = f"You may call these functions: {spec}\nTo call one, reply with {call_format}"
         messages.insert(0, {"role": "system", "content": note})
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & {"conversation", "tools", "tokenize", "add_generation_prompt", "chat_template",

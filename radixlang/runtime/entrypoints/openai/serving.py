@@ -41,11 +41,11 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
         raise RequestError("store=true is not supported: this server keeps no completions", "store")
     tools = active_tools(req)
     constraint = chat_constraint(req, tools)
+    probe = _chat_output(engine, req, tools, drop=())
     prompt = chat_prompt(engine.tokenizer, req, tools, chat_template_of(engine) if engine.server_args.chat_template
-                         else None)
+                         else None, call_format=_call_format(req, tools, probe))
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling(req, constraint)
-    probe = _chat_output(engine, req, tools, drop=())
     keep, drop = keep_special_markers(probe, engine.tokenizer)
     if keep and req.skip_special_tokens is None:  # the format's markers are special tokens: decode them
         params["skip_special_tokens"] = False
@@ -60,6 +60,12 @@ def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tu
                       chat_template=chat_template_of(engine), tool_names={t.function.name for t in tools},
                       forced=_forced(req, tools), parallel=req.parallel_tool_calls is not False,
                       separate_reasoning=req.separate_reasoning, drop=drop)
+
+
+def _call_format(req: ChatRequest, tools: list[Tool], probe: ChatOutput) -> str:
+    if _forced(req, tools):  # the grammar forces the reply to be this JSON object
+        return '{"name": NAME, "arguments": {...}}'
+    return probe.tools.example if probe.tools is not None else ""
 
 
 def _forced(req: Any, tools: list[Tool]) -> bool:

@@ -57,6 +57,8 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()  # strings whose presence in a chat template names this format
     syntax: tuple[str, ...] = ()  # every marker the format writes (kept in the text when they are special tokens)
+    # how to call a tool in this format, told to a model whose chat template cannot render tools
+    example = '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names  # None: accept any name

@@ -38,6 +38,7 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseekv3"
     markers = (CALLS_BEGIN,)
     syntax = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+    example = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}NAME\n```json\n{{...}}\n```{CALL_END}{CALLS_END}"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(CALLS_BEGIN)

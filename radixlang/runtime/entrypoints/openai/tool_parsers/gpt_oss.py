@@ -74,6 +74,7 @@ class GptOssParser(ToolParser):
     name = "gpt-oss"
     markers = ("<|channel|>", "<|constrain|>")
     syntax = (START, CHANNEL, MESSAGE, "<|constrain|>", *ENDS)
+    example = "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         snap = Snapshot()

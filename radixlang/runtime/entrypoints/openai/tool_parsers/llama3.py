@@ -33,6 +33,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3"
     markers = (PYTHON_TAG,)
     syntax = (PYTHON_TAG,)
+    example = '{"name": NAME, "parameters": {...}}'
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         lead = skip_ws(text, 0)

@@ -11,6 +11,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     markers = (MARKER,)
     syntax = (MARKER,)
+    example = '[TOOL_CALLS] [{"name": NAME, "arguments": {...}}]'
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(MARKER)

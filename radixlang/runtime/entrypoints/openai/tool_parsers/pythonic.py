@@ -42,6 +42,7 @@ class PythonicParser(ToolParser):
     name = "pythonic"
     markers = (_WRAP_OPEN,)
     syntax = (_WRAP_OPEN, _WRAP_CLOSE)
+    example = "[NAME(ARG=VALUE, ...), ...]"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         body = text.replace(_WRAP_OPEN, "").replace(_WRAP_CLOSE, "")
