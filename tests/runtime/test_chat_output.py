@@ -113,7 +113,8 @@ def test_history_tool_calls_reach_a_template_that_renders_them():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], "chat_template_kwargs": {"x": 1}})
-    assert chat_prompt(_TemplateTok(), req, [], tpl) == 'user:w?;assistant:[get_weather {"city": "Rome"}];tool:sunny(c1);'
+    want = 'user:w?;assistant:[get_weather {"city": "Rome"}];tool:sunny(c1);'
+    assert chat_prompt(_TemplateTok(), req, [], tpl) == want
     bad = ChatRequest.model_validate({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
     with pytest.raises(RequestError) as e:
