@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")  # gguf: the GGUF file's own blocks (models/gguf_quant.py)
 # up to this many rows the int8 kernel wins; past it, dequantizing the weight to bfloat16 once per
 # call and running a bfloat16 matmul is several times faster (measured on this CPU: 3x at 1,000 rows)
 GEMV_MAX_ROWS = 32
@@ -51,12 +51,19 @@ class Int8WeightOnlyLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def quantize_model_(model: nn.Module, method: str, device: str) -> nn.Module:
-    """Replace the model's linear layers (and its logits projection) in place."""
+def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None) -> nn.Module:
+    """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
+    quantized blocks of ``gguf_path``, the file the model was loaded from."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if device != "cpu":
         raise ValueError(f"quantization {method!r} is implemented for the CPU only, got device {device!r}")
+    if method == "gguf":
+        from radixlang.runtime.models.gguf_quant import apply_gguf_quantization_
+        if not gguf_path or not gguf_path.endswith(".gguf"):
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {gguf_path!r}")
+        apply_gguf_quantization_(model, gguf_path)
+        return model
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
