@@ -104,13 +104,159 @@ def build(jobs: int = 2) -> Path:
     return out
 
 
+class LlamaServer:
+    """A running llama-server on ``gguf_path`` with ``parallel`` slots; ``close()`` (or ``with``) stops it."""
+
+    def __init__(self, gguf_path: str, *, parallel: int = 1, threads: int = 2, ctx_per_slot: int = 2048,
+                 port: int | None = None, binary: str | None = None, startup_timeout: float = 300.0) -> None:
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = command(binary or str(build()), gguf_path, port=self.port, parallel=parallel, threads=threads,
+                            ctx_per_slot=ctx_per_slot)
+        self._log = open(cache_dir() / f"server-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"llama-server did not become ready within {timeout:.0f} s; see {self._log.name}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def command(binary: str, gguf_path: str, *, port: int, parallel: int, threads: int, ctx_per_slot: int) -> list[str]:
+    """llama-server's argv: ``parallel`` slots sharing a context of ``parallel * ctx_per_slot`` tokens,
+    continuous batching (its default), the same thread count for prompt and generation."""
+    return [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+            "--ctx-size", str(parallel * ctx_per_slot), "--threads", str(threads), "--threads-batch", str(threads),
+            "--cont-batching"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def completion_body(prompt: str | list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """A greedy /completion request for the DSL's sampling params (what the benchmarks send)."""
+    if params.get("regex") or params.get("ebnf"):
+        raise ValueError("the llama-server system runs JSON-schema grammars only, not regex/EBNF")
+    if params.get("temperature", 1.0) != 0:
+        raise ValueError("the llama-server system is benchmarked greedy (temperature 0) only")
+    stop = params.get("stop") or []
+    body: dict[str, Any] = {"prompt": prompt, "n_predict": int(params.get("max_new_tokens", 16)),
+                            "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.0, "cache_prompt": True,
+                            "stop": [stop] if isinstance(stop, str) else list(stop), "stream": False}
+    if params.get("ignore_eos"):
+        body["ignore_eos"] = True
+    schema = params.get("json_schema")
+    if schema:
+        body["json_schema"] = json.loads(schema) if isinstance(schema, str) else schema
+    return body
+
+
+def post_completion(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class LlamaServerBackend:
+    """A DSL Backend over a LlamaServer's ``/completion`` (greedy gen; no select: it has no per-choice
+    scores). Counters: prompt tokens evaluated and those its slot's prompt cache reused, tokens generated."""
+
+    def __init__(self, server: LlamaServer | str, model_dir: str) -> None:
+        self.server = server if isinstance(server, LlamaServer) else None
+        self.url = server.url if isinstance(server, LlamaServer) else server
+        self.model_dir = model_dir
+        self._lock = threading.Lock()
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+
+    def generate(self, state_text: str, sampling: Any, *,
+                 messages: list[dict[str, str]] | None = None) -> tuple[str, dict[str, Any]]:
+        out = post_completion(self.url, completion_body(state_text, sampling.sampling_params))
+        timings = out.get("timings") or {}
+        evaluated = int(out.get("tokens_evaluated", 0))
+        fresh = int(timings.get("prompt_n", evaluated))
+        done = int(timings.get("predicted_n", out.get("tokens_predicted", 0)))
+        with self._lock:
+            self.prompt_tokens += evaluated
+            self.cached_tokens += max(evaluated - fresh, 0)
+            self.completion_tokens += done
+        reason = "stop" if out.get("stop_type") in ("eos", "word") else "length"
+        return out.get("content", ""), {"prompt_tokens": evaluated, "completion_tokens": done,
+                                        "cached_tokens": max(evaluated - fresh, 0),
+                                        "finish_reason": {"type": reason}}
+
+    def select(self, state_text: str, choices: Sequence[str], temperature: float, choices_method: Any) -> Any:
+        raise ValueError("the llama-server system runs gen workloads only (no per-choice scores)")
+
+    def counters(self) -> Any:
+        from bench.systems import Counters
+        with self._lock:
+            return Counters(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    @property
+    def chat_template(self) -> Any:
+        from radixlang.lang.chat_template import match_chat_template
+        return match_chat_template(self.model_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="build llama-server (cached) and print its path")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--serve", action="store_true", help="run llama-server on the embedded GGUF until interrupted")
+    ap.add_argument("--port", type=int, default=8090)
+    ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if args.build:
         print(build(args.jobs))
+    if args.serve:
+        from radixlang.runtime.models.loader import default_model_path
+        with LlamaServer(default_model_path(), parallel=args.parallel, threads=args.threads, port=args.port) as srv:
+            print(f"llama-server at {srv.url}: {' '.join(srv.argv)}", flush=True)
+            try:
+                srv.proc.wait()
+            except KeyboardInterrupt:
+                pass
 
 
 if __name__ == "__main__":

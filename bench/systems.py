@@ -190,6 +190,25 @@ class LlamaCppSystem(System):
 
 
 @dataclass(frozen=True)
+class LlamaServerSystem(System):
+    """llama.cpp's C++ llama-server (bench/llama_server.py) on the same GGUF, ``concurrency`` parallel slots
+    with continuous batching and per-slot prompt caching, driven over HTTP."""
+
+    def open(self, model_dir: str) -> Any:
+        from bench.common import threads
+        from bench.llama_server import LlamaServer, LlamaServerBackend
+        from radixlang.runtime.models.loader import default_model_path
+        server = LlamaServer(default_model_path(), parallel=self.concurrency, threads=threads())
+        return LlamaServerBackend(server, model_dir)
+
+    def missing(self) -> str | None:
+        from bench.llama_server import binary_path
+        if not binary_path().exists():
+            return f"no llama-server at {binary_path()}; python -m bench.llama_server --build to add it"
+        return None
+
+
+@dataclass(frozen=True)
 class OutlinesSystem(System):
     def open(self, model_dir: str) -> Any:
         from bench.peers import OutlinesBackend
@@ -216,6 +235,9 @@ def default_systems(concurrency: int) -> list[System]:
                RadixSystem("radixlang_no_cache", concurrency, engine_kwargs=(("disable_radix_cache", True),)),
                ServerSystem("radixlang_server", concurrency),
                TransformersSystem("transformers", 1),
+               # llama.cpp's own server, as its users serve: parallel slots batched continuously
+               LlamaServerSystem("llama-server", concurrency),
+               # the Python binding, one program at a time (a second, labelled column)
                LlamaCppSystem("llama.cpp", 1),
                OutlinesSystem("outlines", 1, workloads=("json_extraction",))]
     for system in systems:

@@ -67,7 +67,8 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device,
-                            gguf_path=gguf_source(args.model_path, args.load_format))
+                            gguf_path=gguf_source(args.model_path, args.load_format),
+                            prefill_copies=not args.disable_weight_packing)
         if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)

@@ -51,6 +51,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.source_type = source_type
+        self.dense: nn.Module | None = None  # see add_prefill_copies_
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.source_type} as {self.weight_q.layout}"
@@ -65,9 +66,29 @@ class QuantLinear(nn.Module):
             x2 = x2.float()
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = qk.linear(x2, self.weight_q, self.bias)
+        elif self.dense is not None:
+            y = self.dense(x2)
         else:
             y = F.linear(x2, qk.dequantize(self.weight_q), self.bias)
         return y.to(x.dtype).view(*lead, self.out_features)
+
+
+def add_prefill_copies_(model: nn.Module) -> int:
+    """Give every QuantLinear a oneDNN-packed float32 copy of its dequantized weight for matmuls of more
+    than KERNEL_MAX_ROWS rows (prefills), which then run as fast as the float32 model's instead of
+    dequantizing per call. Decode steps never touch the copy, so they still stream only the quantized
+    bytes; the copies cost memory (4 bytes a weight). Returns how many were added (0 without packing)."""
+    from radixlang.runtime.models import packed
+
+    if not packed.packing_available():
+        return 0
+    count = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.dense is None:
+            m.dense = packed.PackedLinear(m.dequantized_weight(), m.bias)
+            m.dense.warm_up()
+            count += 1
+    return count
 
 
 # --- GGUF blocks -> (integer codes [rows, cols], scales and offsets [rows, cols / group]) ---------------

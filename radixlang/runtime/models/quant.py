@@ -51,18 +51,22 @@ class Int8WeightOnlyLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None) -> nn.Module:
+def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None,
+                    prefill_copies: bool = False) -> nn.Module:
     """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
-    quantized blocks of ``gguf_path``, the file the model was loaded from."""
+    quantized blocks of ``gguf_path``, the file the model was loaded from; ``prefill_copies``: plus a
+    packed float32 copy per layer for prefills (gguf_quant.add_prefill_copies_)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if device != "cpu":
         raise ValueError(f"quantization {method!r} is implemented for the CPU only, got device {device!r}")
     if method == "gguf":
-        from radixlang.runtime.models.gguf_quant import apply_gguf_quantization_
+        from radixlang.runtime.models.gguf_quant import add_prefill_copies_, apply_gguf_quantization_
         if not gguf_path or not gguf_path.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {gguf_path!r}")
         apply_gguf_quantization_(model, gguf_path)
+        if prefill_copies:
+            add_prefill_copies_(model)
         return model
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
