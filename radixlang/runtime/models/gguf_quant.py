@@ -82,11 +82,14 @@ def add_prefill_copies_(model: nn.Module) -> int:
 
     if not packed.packing_available():
         return 0
-    count = 0
+    count, warmed = 0, set()
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.dense is None:
             m.dense = packed.PackedLinear(m.dequantized_weight(), m.bias)
-            m.dense.warm_up()
+            key = (m.out_features, m.in_features, m.bias is None)
+            if key not in warmed:  # oneDNN's kernels are cached per weight shape: one layer compiles them
+                warmed.add(key)
+                m.dense.warm_up()
             count += 1
     return count
 
