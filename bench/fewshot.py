@@ -25,7 +25,7 @@ from bench.systems import System, default_systems
 from bench.workloads import fewshot
 
 GOAL = 3.0  # radixlang at least this many times faster than llama.cpp
-SYSTEMS = ("radixlang", "radixlang_bf16", "llama-server", "llama.cpp", "transformers")
+SYSTEMS = ("radixlang", "radixlang_gguf", "radixlang_bf16", "llama-server", "llama.cpp", "transformers")
 
 
 def main() -> None:
@@ -64,6 +64,9 @@ def main() -> None:
         speedup = rows["llama-server"]["radixlang_speedup"]
         print(f"radixlang vs llama-server (llama.cpp's C++ server, {args.n} slots): {speedup:.2f}x faster "
               f"(goal >= {GOAL:.0f}x: {'met' if speedup >= GOAL else 'NOT met'})")
+    for name in ("radixlang_gguf", "radixlang_bf16"):
+        if "seconds" in rows.get(name, {}) and "seconds" in rows.get("llama-server", {}):
+            print(f"{name} vs llama-server: {rows['llama-server']['seconds'] / rows[name]['seconds']:.2f}x faster")
     if base and "seconds" in rows.get("llama.cpp", {}):
         speedup = rows["llama.cpp"]["radixlang_speedup"]
         print(f"radixlang vs llama.cpp (llama-cpp-python, one program at a time): {speedup:.2f}x faster")
