@@ -233,15 +233,20 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
                 logits = w
     for (layer_id, target), got in pieces.items():
         layer = model.layers[layer_id]
-        owner, attr = {"qkv": (layer.self_attn, "qkv_proj"), "o": (layer.self_attn, "o_proj"),
-                       "gate_up": (layer.mlp, "gate_up_proj"), "down": (layer.mlp, "down_proj")}[target]
+        room, attr = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
+                      "gate_up": ("mlp", "gate_up_proj"), "down": ("mlp", "down_proj")}[target]
+        owner = getattr(layer, room, None)
         want = {"qkv": 3, "gate_up": 2}.get(target, 1)
         kinds = {k for k, _ in got.values()}
         layouts = {(w.layout, w.group) for _, w in got.values()}
+        old = getattr(owner, attr, None)
+        if not isinstance(old, nn.Linear) or old.weight.shape != (sum(w.out_features for _, w in got.values()),
+                                                                 next(iter(got.values()))[1].in_features):
+            kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
+            continue
         if len(got) != want or len(layouts) != 1:  # a fused projection needs all its parts in one layout
             kept.append(f"blk.{layer_id}.{target} (mixed {'/'.join(sorted(kinds))})")
             continue
-        old = getattr(owner, attr)
         weight = qk.QuantWeight.concat([got[i][1] for i in range(want)])
         setattr(owner, attr, QuantLinear(weight, getattr(old, "bias", None), "/".join(sorted(kinds))))
         for k, _ in got.values():
