@@ -37,14 +37,20 @@ def hf_generate(model, ids: list[int], new_tokens: int) -> int:
 def model_weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every parameter, plus packed linears (runtime/models/packed.py)
     in place of the plain weights they replaced; with a packed copy of tied embeddings for the logits,
-    that copy instead of the embedding table (a lookup reads one row of it)."""
+    that copy instead of the embedding table (a lookup reads one row of it). Quantized GGUF linears
+    (runtime/models/gguf_quant.py) count their codes, scales and offsets, not the float32 copies they keep
+    for prefills (a decode step never reads those)."""
+    from radixlang.runtime.models.gguf_quant import QuantLinear
     from radixlang.runtime.models.packed import PackedLinear
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    prefill_only = {id(m.dense) for m in quant if m.dense is not None}
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and id(m) not in prefill_only]
     skip = set()
-    if isinstance(getattr(model, "lm_head", None), PackedLinear) and getattr(model, "embed_tokens", None) is not None:
+    if isinstance(getattr(model, "lm_head", None), (PackedLinear, QuantLinear)) and \
+            getattr(model, "embed_tokens", None) is not None:
         skip.add(id(model.embed_tokens.weight))
     params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
-    return params + sum(m.weight_bytes() for m in packed)
+    return params + sum(m.weight_bytes() for m in packed) + sum(m.weight_q.nbytes for m in quant)
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 28, reps: int = 5) -> float:

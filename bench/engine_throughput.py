@@ -5,9 +5,12 @@
 Prints ratios measured in this run: batch-1 greedy decode tokens/s, 32 mixed-length
 concurrent requests against transformers doing them one by one, prefill tokens/s on
 a 1,000-token prompt, the machine's copy and read bandwidths, and the batch-1 decode step as a
-multiple of the physical floor (weights bytes / read bandwidth, a sum over a large tensor). Then
-the same three runs with ``quantization="int8"`` (weight-only) and ``dtype="bfloat16"``, both
-lossy, against the same fp32 baseline, with how many greedy tokens each keeps equal to fp32's.
+multiple of the physical floor (weights bytes / read bandwidth, a sum over a large tensor). The
+default Engine serves the embedded GGUF's own Q4_1 / Q8_0 blocks (``--quantization gguf``); then the
+same three runs with ``dtype="float32"`` (the same file dequantized), ``quantization="int8"``
+(weight-only, lossy) and ``dtype="bfloat16"`` (lossy), with how many greedy tokens each keeps equal to
+the default's. For each: the step time, the bytes of weights a step reads, the read bandwidth that
+implies and its ratio to the machine's.
 
 transformers runs in a child process: a second live OpenMP thread team in one process (the
 Engine's scheduler thread next to a main thread that ran transformers) makes libgomp stop
@@ -103,12 +106,14 @@ def main() -> None:
 
     # the same runs in the lossy fast modes, against the same fp32 baseline: weight-only int8, and
     # bfloat16 weights/activations (fast on CPUs with AVX512-BF16 or AMX; slow elsewhere)
-    variants = {"int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+    variants = {"fp32": {"dtype": "float32"}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+    steps = {"gguf": (step_s, weight_bytes)}
     for name, extra in variants.items():
         v = measure(**extra)
+        steps[name] = (1.0 / v["b1"], v["weight_bytes"])
         same = next((i for i, (a, b) in enumerate(zip(ours["output_ids"], v["output_ids"])) if a != b), new_tokens)
         rows[f"{name}_decode_batch1_tok_s"] = {"radixlang": v["b1"], "transformers": hf_b1, "ratio": v["b1"] / hf_b1,
-                                               "greedy_tokens_equal_to_fp32": same}
+                                               "greedy_tokens_equal_to_default": same}
         rows[f"{name}_batch32_tok_s"] = {"radixlang": v["batch"], "transformers_sequential": hf_seq,
                                          "ratio": v["batch"] / hf_seq}
         rows[f"{name}_prefill_1000_tok_s"] = {"radixlang": 1000 / v["fill_s"], "transformers": 1000 / t_hf_fill,
@@ -123,8 +128,14 @@ def main() -> None:
           f"{weight_bytes / 1e6:.0f} MB; batch-1 step {step_s * 1e3:.1f} ms = {step_s / floor_s:.2f}x the floor "
           f"({floor_s * 1e3:.1f} ms)")
     for name in variants:
-        same = rows[f"{name}_decode_batch1_tok_s"]["greedy_tokens_equal_to_fp32"]
-        print(f"{name}: the first {same} of {new_tokens} greedy tokens equal fp32's")
+        same = rows[f"{name}_decode_batch1_tok_s"]["greedy_tokens_equal_to_default"]
+        print(f"{name}: the first {same} of {new_tokens} greedy tokens equal the default (gguf) path's")
+    print(f"{'decode step (batch 1)':22s} {'step ms':>8s} {'MB read':>8s} {'GB/s':>7s} {'of machine':>10s}")
+    for name, (step, nbytes) in steps.items():
+        gbs = nbytes / step / 1e9
+        rows[f"{name}_step"] = {"step_ms": step * 1e3, "weight_mb": nbytes / 1e6, "read_gb_s": gbs,
+                                "fraction_of_read_bandwidth": gbs / read_bw}
+        print(f"{name:22s} {step * 1e3:8.2f} {nbytes / 1e6:8.1f} {gbs:7.1f} {gbs / read_bw:9.2f}x")
     print("wrote", write_result("engine_throughput", rows))
 
 

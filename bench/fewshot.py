@@ -1,10 +1,13 @@
 """Issue #8's headline: 32 requests sharing a ~419-token few-shot prefix, 16 new tokens each (greedy).
 
-    python -m bench.fewshot            # radixlang Engine vs llama.cpp vs transformers, in one run
+    python -m bench.fewshot            # radixlang Engine vs llama-server vs llama.cpp vs transformers
+
+llama-server is llama.cpp's C++ server (bench/llama_server.py builds it) with 32 parallel slots and
+prompt caching, driven over HTTP; llama.cpp is the Python binding, one program at a time.
 
 Every system runs all 32 programs of the same dataset (bench/workloads/fewshot.py): radixlang with
 all 32 in flight, llama.cpp and transformers one at a time (how llama.cpp's server serves them with
-one slot and 2 threads). The goal is radixlang >= 3x faster than llama.cpp in wall time. Systems that
+one slot and 2 threads). The goal is radixlang >= 3x faster than llama-server in wall time. Systems that
 cannot run here (llama-cpp-python not installed) are skipped with a message.
 
 Each system runs in its own process (bench.run_all.run_system), ``--repeat`` times, the systems
@@ -22,7 +25,7 @@ from bench.systems import System, default_systems
 from bench.workloads import fewshot
 
 GOAL = 3.0  # radixlang at least this many times faster than llama.cpp
-SYSTEMS = ("radixlang", "radixlang_bf16", "llama.cpp", "transformers")
+SYSTEMS = ("radixlang", "radixlang_gguf", "radixlang_bf16", "llama-server", "llama.cpp", "transformers")
 
 
 def main() -> None:
@@ -57,10 +60,16 @@ def main() -> None:
     for name, row in rows.items():
         if base and "seconds" in row:
             row["radixlang_speedup"] = row["seconds"] / base
+    if base and "seconds" in rows.get("llama-server", {}):
+        speedup = rows["llama-server"]["radixlang_speedup"]
+        print(f"radixlang vs llama-server (llama.cpp's C++ server, {args.n} slots): {speedup:.2f}x faster "
+              f"(goal >= {GOAL:.0f}x: {'met' if speedup >= GOAL else 'NOT met'})")
+    for name in ("radixlang_gguf", "radixlang_bf16"):
+        if "seconds" in rows.get(name, {}) and "seconds" in rows.get("llama-server", {}):
+            print(f"{name} vs llama-server: {rows['llama-server']['seconds'] / rows[name]['seconds']:.2f}x faster")
     if base and "seconds" in rows.get("llama.cpp", {}):
         speedup = rows["llama.cpp"]["radixlang_speedup"]
-        print(f"radixlang vs llama.cpp: {speedup:.2f}x faster (goal >= {GOAL:.0f}x: "
-              f"{'met' if speedup >= GOAL else 'NOT met'})")
+        print(f"radixlang vs llama.cpp (llama-cpp-python, one program at a time): {speedup:.2f}x faster")
     if "seconds" in rows.get("radixlang_bf16", {}) and "seconds" in rows.get("llama.cpp", {}):
         bf16 = rows["llama.cpp"]["seconds"] / rows["radixlang_bf16"]["seconds"]
         rows["radixlang_bf16"]["speedup_vs_llama_cpp"] = bf16

@@ -146,13 +146,17 @@ class System:
 
 @dataclass(frozen=True)
 class RadixSystem(System):
+    """``gguf``: open the embedded GGUF file itself, so the Engine serves its quantized blocks
+    (--quantization gguf, the default for a quantized GGUF); otherwise the dequantized float32 folder."""
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
+    gguf: bool = False
 
     def open(self, model_dir: str) -> CountingEngineBackend:
         from bench.common import threads
         from radixlang import Engine
+        from radixlang.runtime.models.loader import default_model_path
         kwargs = {"max_total_tokens": 65536, "num_threads": threads(), **dict(self.engine_kwargs)}
-        engine = Engine(model_path=model_dir, **kwargs)
+        engine = Engine(model_path=default_model_path() if self.gguf else model_dir, **kwargs)
         return CountingEngineBackend(engine)
 
 
@@ -190,6 +194,25 @@ class LlamaCppSystem(System):
 
 
 @dataclass(frozen=True)
+class LlamaServerSystem(System):
+    """llama.cpp's C++ llama-server (bench/llama_server.py) on the same GGUF, ``concurrency`` parallel slots
+    with continuous batching and per-slot prompt caching, driven over HTTP."""
+
+    def open(self, model_dir: str) -> Any:
+        from bench.common import threads
+        from bench.llama_server import LlamaServer, LlamaServerBackend
+        from radixlang.runtime.models.loader import default_model_path
+        server = LlamaServer(default_model_path(), parallel=self.concurrency, threads=threads())
+        return LlamaServerBackend(server, model_dir)
+
+    def missing(self) -> str | None:
+        from bench.llama_server import binary_path
+        if not binary_path().exists():
+            return f"no llama-server at {binary_path()}; python -m bench.llama_server --build to add it"
+        return None
+
+
+@dataclass(frozen=True)
 class OutlinesSystem(System):
     def open(self, model_dir: str) -> Any:
         from bench.peers import OutlinesBackend
@@ -216,6 +239,11 @@ def default_systems(concurrency: int) -> list[System]:
                RadixSystem("radixlang_no_cache", concurrency, engine_kwargs=(("disable_radix_cache", True),)),
                ServerSystem("radixlang_server", concurrency),
                TransformersSystem("transformers", 1),
+               # the GGUF's own Q4_1 / Q8_0 blocks on the quantized kernels (the default for that file)
+               RadixSystem("radixlang_gguf", concurrency, gguf=True),
+               # llama.cpp's own server, as its users serve: parallel slots batched continuously
+               LlamaServerSystem("llama-server", concurrency),
+               # the Python binding, one program at a time (a second, labelled column)
                LlamaCppSystem("llama.cpp", 1),
                OutlinesSystem("outlines", 1, workloads=("json_extraction",))]
     for system in systems:

@@ -33,8 +33,12 @@ class ServerArgs:
                                   "attention stay float32)",
                     ("auto", "float32", "float16", "bfloat16"))
     device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
-    quantization: str | None = _f(None, "int8: weight-only int8 linears on the CPU (lossy; ~2x batch-1 decode)",
-                                  (None, "int8"))
+    quantization: str | None = _f(None, "weight-only quantized linears on the CPU. int8 / int4: quantize a float "
+                                        "checkpoint (lossy; int4 in groups of 32 with a scale and minimum each); "
+                                        "gguf: serve a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, "
+                                        "Q5_K, Q6_K). Absent with --dtype auto on the CPU: gguf for a quantized "
+                                        "GGUF file (the embedded model is Q4_1); --dtype float32 dequantizes it",
+                                  (None, "int8", "int4", "gguf"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
     num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "
                                           "divided among a node's processes (dp replicas x tensor-parallel ranks)")
@@ -139,6 +143,9 @@ class ServerArgs:
             changes["device"] = device
         if self.dtype == "auto":
             changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
+            if (device == "cpu" and self.quantization is None and self.tp_size == 1
+                    and self.load_format in ("auto", "gguf") and _quantized_gguf(self.model_path, self.load_format)):
+                changes["quantization"] = "gguf"
         if self.attention_backend == "auto":
             changes["attention_backend"] = _pick_attention_backend(device, self.disable_cpu_kernels)
         if self.num_threads is None and device == "cpu":
@@ -176,6 +183,18 @@ def _base_type(hint: Any) -> type:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0]
     return hint
+
+
+def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
+    """Whether the model is a GGUF file holding quantized blocks served natively (--quantization gguf)."""
+    from radixlang.runtime.models.gguf_quant import is_quantized_gguf
+    from radixlang.runtime.models.loader import gguf_source
+
+    try:
+        path = gguf_source(model_path, load_format)
+        return path is not None and is_quantized_gguf(path)
+    except (OSError, ValueError):  # a missing or unreadable file: the loader reports it with its own message
+        return False
 
 
 def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False) -> str:

@@ -63,3 +63,27 @@ def test_engine_int8_scores_like_fp32(tiny_model_dir, tiny_engine):
     assert len(a) == len(prompt) - 1
     diff = (a - b).abs()
     assert 0 < diff.max() < 0.1 * a.abs().mean(), (diff.max(), a.abs().mean())
+
+
+def test_int4_linear_is_close_and_runs_on_the_q4_kernel():
+    from radixlang.kernels.cpu import quant as qk
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.quant import int4_linear
+    if not qk.available():
+        pytest.skip("no C compiler for the quantized kernels")
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True)
+    q = int4_linear(lin)
+    assert isinstance(q, QuantLinear) and q.weight_q.layout == "q4" and q.weight_q.codes.shape == (200, 48)
+    # each weight within half a step of its group's 16 levels (plus float rounding)
+    g = lin.weight.detach().view(200, 3, 32)
+    step = (g.amax(-1) - g.amin(-1)) / 15
+    err = (q.dequantized_weight().view(200, 3, 32) - g).abs()
+    assert (err <= step[..., None] / 2 + 1e-6).all()
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        ref, out = lin(x), q(x)
+    rel = (out - ref).norm() / ref.norm()
+    assert 0 < rel < 0.1, rel
+    m = quantize_model_(tied_toy_model(), "int4", "cpu")  # 16 input features do not fill a group of 32
+    assert isinstance(m.block[2], QuantLinear) and type(m.block[0]) is nn.Linear and m.lm_head is None

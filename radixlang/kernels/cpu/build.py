@@ -1,4 +1,4 @@
-"""Compile csrc/cpu_ops.c with the machine's C compiler once, and cache the shared library.
+"""Compile csrc/cpu_ops.c (and csrc/quant_ops.c) with the machine's C compiler once, and cache the shared library.
 
 The library is built for the CPU it runs on (``-march=native``), so the cache key covers the source,
 the compiler and its version, the flags and the CPU's feature flags. It lives under the user cache
@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_ops.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -45,28 +46,30 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path() -> Path:
-    """The built library, compiling it first when this source, compiler and CPU have none cached."""
+def library_path(source: Path | None = None) -> Path:
+    """The built library of ``source`` (default cpu_ops.c), compiling it first when this source, compiler
+    and CPU have none cached."""
+    source = SOURCE if source is None else source
     cc = find_compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_ops-{key}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
-            raise BuildError(f"compiling {SOURCE.name} failed ({cc}):\n{proc.stderr.strip()[-2000:]}")
+            raise BuildError(f"compiling {source.name} failed ({cc}):\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"compiling {SOURCE.name} failed ({cc}): {e}") from e
+        raise BuildError(f"compiling {source.name} failed ({cc}): {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

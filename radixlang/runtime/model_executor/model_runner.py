@@ -19,7 +19,7 @@ from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInp
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.layers.attention_config import check_backend_features
 from radixlang.runtime.models.llama import check_tensor_parallel
-from radixlang.runtime.models.loader import load_model, read_config, resolve_model_dir
+from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
 from radixlang.runtime.model_executor.tp_leader import TPLeader, exit_with_parent, ranks_per_node
@@ -66,8 +66,10 @@ class ModelRunner:
                             seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
-            quantize_model_(self.model, args.quantization, self.device)
-        elif self.device == "cpu" and not args.disable_weight_packing:
+            quantize_model_(self.model, args.quantization, self.device,
+                            gguf_path=gguf_source(args.model_path, args.load_format),
+                            prefill_copies=not args.disable_weight_packing)
+        if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():

@@ -62,7 +62,11 @@ def restore_layout(arch: str, gguf_name: str, arr: np.ndarray, n_head: int, n_kv
 def dequantize_tensor(t) -> np.ndarray:
     """A GGUF reader tensor as float32 in HF's [out, in] shape (whatever its stored type)."""
     import gguf
-    arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be read "
+                         f"(no dequantization for it in the gguf package)") from e
     return arr.reshape([int(d) for d in reversed(t.shape)])
 
 

@@ -89,6 +89,16 @@ def resolve_hub_id(repo_id: str) -> str:
                                 f"(huggingface-cli download {repo_id}) or pass a local folder") from e
 
 
+def gguf_source(model_path: str | None, load_format: str = "auto") -> str | None:
+    """The GGUF file --model-path names (the embedded one when absent), or None for other checkpoints."""
+    path = model_path or default_model_path()
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
+        return ggufs[0] if ggufs and not has_st and load_format in ("auto", "gguf") else None
+    return path if path.endswith(".gguf") and load_format != "dummy" else None
+
+
 def read_config(folder: str) -> Any:
     """The model's transformers config; a ValueError for an architecture we have no model code for."""
     from transformers import AutoConfig

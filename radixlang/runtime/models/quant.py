@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: the GGUF file's own blocks (models/gguf_quant.py)
 # up to this many rows the int8 kernel wins; past it, dequantizing the weight to bfloat16 once per
 # call and running a bfloat16 matmul is several times faster (measured on this CPU: 3x at 1,000 rows)
 GEMV_MAX_ROWS = 32
@@ -51,16 +51,58 @@ class Int8WeightOnlyLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def quantize_model_(model: nn.Module, method: str, device: str) -> nn.Module:
-    """Replace the model's linear layers (and its logits projection) in place."""
+def int4_linear(linear: nn.Module, group: int = 32) -> nn.Module:
+    """``--quantization int4``: a float linear's weight in 4-bit codes per group of 32 input features with a
+    float32 scale and minimum each (w ~ q * scale + min, q in 0..15, rounded to nearest), run by the same
+    kernels as a GGUF's Q4_1 blocks (models/gguf_quant.QuantLinear). Lossy."""
+    from radixlang.kernels.cpu import quant as qk
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 needs in_features divisible by {group}, got {k}")
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    weight = qk.QuantWeight("q4", codes, scale.contiguous(), lo.contiguous(), group, n, k)
+    return QuantLinear(weight, getattr(linear, "bias", None), "int4")
+
+
+def _tied(model: nn.Module, make) -> nn.Module:
+    """The quantized logits projection of tied embeddings (a linear over the embedding table)."""
+    lin = nn.Linear(1, 1, bias=False)
+    lin.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
+    lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
+    return make(lin)
+
+
+def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None,
+                    prefill_copies: bool = False) -> nn.Module:
+    """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
+    quantized blocks of ``gguf_path``, the file the model was loaded from; ``prefill_copies``: plus a
+    packed float32 copy per layer for prefills (gguf_quant.add_prefill_copies_)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if device != "cpu":
         raise ValueError(f"quantization {method!r} is implemented for the CPU only, got device {device!r}")
+    if method == "gguf":
+        from radixlang.runtime.models.gguf_quant import add_prefill_copies_, apply_gguf_quantization_
+        if not gguf_path or not gguf_path.endswith(".gguf"):
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {gguf_path!r}")
+        apply_gguf_quantization_(model, gguf_path)
+        if prefill_copies:
+            add_prefill_copies_(model)
+        return model
+    make = Int8WeightOnlyLinear.from_linear if method == "int8" else int4_linear
+    # int4 groups 32 input features: a linear with another width stays float
+    fits = (lambda k: True) if method == "int8" else (lambda k: k % 32 == 0)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8WeightOnlyLinear.from_linear(child))
-    if getattr(model, "lm_head", "absent") is None:  # tied embeddings: the logits get their own int8 copy
-        model.lm_head = Int8WeightOnlyLinear(model.embed_tokens.weight, None)
+            if isinstance(child, nn.Linear) and fits(child.in_features):
+                setattr(module, child_name, make(child))
+    if getattr(model, "lm_head", "absent") is None and fits(model.embed_tokens.weight.shape[1]):
+        model.lm_head = _tied(model, make)  # tied embeddings: the logits get their own quantized copy
     return model
