@@ -76,8 +76,9 @@ def _source_tree(sdist: Path) -> Path:
             tar.extractall(root, filter="data")
         (root / "unpacked").write_text("ok")
     for cm in sorted(root.rglob("CMakeLists.txt"), key=lambda p: len(p.parts)):
-        if (cm.parent / "ggml").is_dir() and (cm.parent / "tools").is_dir() or (cm.parent / "examples" / "server").is_dir():
-            return cm.parent
+        d = cm.parent
+        if (d / "ggml").is_dir() and (d / "tools").is_dir() or (d / "examples" / "server").is_dir():
+            return d
     raise RuntimeError(f"no llama.cpp source tree (CMakeLists.txt next to ggml/) inside {sdist}")
 
 
