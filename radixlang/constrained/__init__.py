@@ -1,22 +1,26 @@
-"""Constrained decoding: regex / JSON schema -> per-token masks, with jump-forward.
+"""Constrained decoding: regex / JSON schema / EBNF / structural tags -> per-token masks, with jump-forward.
 
-Pieces: ``TokenizerInfo`` (bytes of every token), ``GrammarCompiler`` (LRU-cached
-compile to a shared ``CompiledGrammar``, sync or on worker threads with a time
-limit), ``Grammar`` (cheap per-request state) and, in radixlang/kernels/bitmask.py,
-the packed int32 bitmask helpers.
+Pieces: ``TokenizerInfo`` (bytes of every token), ``GrammarCompiler`` (one backend:
+outlines-core, xgrammar or llguidance; LRU-cached compile to a shared compiled
+grammar, sync or on worker threads with a time limit), the per-request state
+(``GrammarState``: outlines' ``Grammar`` or library_grammar's ``MatcherGrammar``),
+schema_policy (the JSON-Schema keywords each backend enforces; the rest is refused)
+and, in radixlang/kernels/bitmask.py, the packed int32 bitmask helpers.
 
 Scheduler recipe (one compiler per tokenizer, built at startup)::
 
     info = TokenizerInfo.from_tokenizer(tokenizer, vocab_size=model_vocab_size)
-    compiler = GrammarCompiler(info, cache_size=64, timeout_s=args.grammar_compile_timeout,
+    compiler = GrammarCompiler(info, backend=args.grammar_backend, cache_size=64,
+                               timeout_s=args.grammar_compile_timeout,
                                whitespace_pattern=args.constrained_json_whitespace_pattern)
 
-    # admission
-    if params.grammar_key is not None:          # ("regex", p) | ("json", schema) ; ebnf -> ValueError
+    # admission: ("regex", p) | ("json", schema) | ("ebnf", g) | ("structural_tag", t); a kind, schema
+    # keyword or format the backend does not enforce raises UnsupportedGrammar (ValueError, .param) here
+    if params.grammar_key is not None:
         req.grammar_future = compiler.compile_async(*params.grammar_key)
     # keep the request in the waiting queue until req.grammar_future.done(); then
     try:
-        req.grammar = Grammar(req.grammar_future.result())   # one Grammar per request (n > 1: .copy())
+        req.grammar = req.grammar_future.result().new_grammar()  # one per request (n > 1: .copy())
     except ValueError as e:                     # bad grammar or GrammarCompileTimeout
         finish(req, abort, message=str(e))
 
@@ -48,12 +52,15 @@ sampled: report them as the model's (an extend computes them) or as None.
 
 from __future__ import annotations
 
-from radixlang.constrained.compiler import GrammarCompiler, GrammarCompileTimeout
+from radixlang.constrained.compiler import BACKENDS, GrammarCompiler, GrammarCompileTimeout
+from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar, Grammar, pack_token_ids
 from radixlang.constrained.json_regex import any_json_object_regex, any_json_value_regex, json_schema_to_regex
+from radixlang.constrained.state import GrammarState
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 __all__ = [
-    "CompiledGrammar", "Grammar", "GrammarCompileTimeout", "GrammarCompiler", "TokenizerInfo",
-    "any_json_object_regex", "any_json_value_regex", "json_schema_to_regex", "pack_token_ids",
+    "BACKENDS", "CompiledGrammar", "Grammar", "GrammarCompileTimeout", "GrammarCompiler", "GrammarState",
+    "TokenizerInfo", "UnsupportedGrammar", "any_json_object_regex", "any_json_value_regex",
+    "json_schema_to_regex", "pack_token_ids",
 ]

@@ -1,7 +1,16 @@
-"""GrammarCompiler: (kind, spec) -> CompiledGrammar, cached LRU, sync or on worker threads."""
+"""GrammarCompiler: (kind, spec) -> a compiled grammar of one backend, cached LRU, sync or on worker threads.
+
+Backends: ``outlines`` (outlines-core: regex and JSON schema through a regex),
+``xgrammar`` and ``llguidance`` (regex, JSON schema, EBNF, structural tags).
+Every compiled grammar has ``new_grammar()`` -> the per-request state with one
+interface (constrained.grammar.Grammar / constrained.library_grammar.MatcherGrammar).
+A kind or schema keyword the backend cannot enforce is refused up front by
+``compile_async`` with an UnsupportedGrammar (a ValueError with ``param``).
+"""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -9,12 +18,21 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from outlines_core import Index, Vocabulary
 
+from typing import Any
+
+from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar
-from radixlang.constrained.json_regex import ascii_digits, json_schema_to_regex
+from radixlang.constrained.json_regex import ANY_JSON_MARKER, ascii_digits, json_schema_to_regex
+from radixlang.constrained.schema_policy import check_schema, one_of_as_any_of
+from radixlang.constrained.structural_tag import normalize_structural_tag, parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 GrammarKey = tuple[str, "str | None"]
-KINDS = ("regex", "json")
+KINDS = ("regex", "json", "ebnf", "structural_tag")
+BACKENDS = ("outlines", "xgrammar", "llguidance")
+BACKEND_KINDS = {"outlines": ("regex", "json"), "xgrammar": KINDS, "llguidance": KINDS}
+# the request field each kind comes from (SamplingParams), named in a refusal
+KIND_PARAM = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 
 class GrammarCompileTimeout(TimeoutError, ValueError):
@@ -35,7 +53,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_info: TokenizerInfo, cache_size: int = 64, whitespace_pattern: str | None = None,
                  max_states: int = 200_000, timeout_s: float = 30.0, num_workers: int = 2,
-                 any_json_depth: int = 2) -> None:
+                 any_json_depth: int = 2, backend: str = "outlines") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"grammar backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self._library: Any = None  # the xgrammar / llguidance backend object, built on first use
+        self._library_lock = threading.Lock()
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         if timeout_s <= 0:
@@ -56,13 +79,23 @@ class GrammarCompiler:
 
     # ---- public API -------------------------------------------------------
 
-    def compile(self, kind: str, spec: str | None) -> CompiledGrammar:
+    def compile(self, kind: str, spec: str | None) -> Any:
         """Compile (or fetch from the cache); ValueError for a bad or too slow grammar."""
         return self.compile_async(kind, spec).result()
 
-    def compile_async(self, kind: str, spec: str | None) -> Future[CompiledGrammar]:
-        """A future resolving to the CompiledGrammar, or to ValueError / GrammarCompileTimeout."""
-        key = self._check_key(kind, spec)
+    def compile_async(self, kind: str, spec: str | None) -> Future[Any]:
+        """A future resolving to the compiled grammar, or to ValueError / GrammarCompileTimeout.
+
+        A kind, schema keyword or format the backend does not enforce fails the
+        future at once with an UnsupportedGrammar (its ``param`` names the field).
+        """
+        try:
+            key = self._check_key(kind, spec)
+        except ValueError as e:
+            failed: Future[Any] = Future()
+            failed.set_running_or_notify_cancel()
+            failed.set_exception(e)
+            return failed
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -86,15 +119,56 @@ class GrammarCompiler:
 
     # ---- internals --------------------------------------------------------
 
-    @staticmethod
-    def _check_key(kind: str, spec: str | None) -> GrammarKey:
+    def _check_key(self, kind: str, spec: str | None) -> GrammarKey:
         if kind not in KINDS:
             raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
+        if kind not in BACKEND_KINDS[self.backend]:
+            raise UnsupportedGrammar(f"{kind} grammars are not supported by the {self.backend} grammar backend "
+                                     f"(it takes {', '.join(BACKEND_KINDS[self.backend])}; "
+                                     f"xgrammar and llguidance take all of {', '.join(KINDS)})", KIND_PARAM[kind])
         if kind == "regex" and not isinstance(spec, str):
-            raise ValueError(f"a regex grammar needs a pattern string, got {type(spec).__name__}")
-        if kind == "json" and spec is not None and not isinstance(spec, str):
-            raise ValueError(f"a json grammar needs a schema string or None, got {type(spec).__name__}")
+            raise UnsupportedGrammar(f"a regex grammar needs a pattern string, got {type(spec).__name__}", "regex")
+        if kind in ("ebnf", "structural_tag") and not isinstance(spec, (str, dict) if kind != "ebnf" else str):
+            raise UnsupportedGrammar(f"a {kind} grammar needs a string, got {type(spec).__name__}", KIND_PARAM[kind])
+        if kind == "json":
+            if spec == ANY_JSON_MARKER:
+                spec = None
+            if spec is not None and not isinstance(spec, str):
+                raise ValueError(f"a json grammar needs a schema string or None, got {type(spec).__name__}")
+            if spec is not None:
+                self._schema(spec)  # refuses what the backend would not enforce
+        if kind == "structural_tag":
+            spec = normalize_structural_tag(spec)  # type: ignore[arg-type]
+            for s in parse_structural_tag(spec).structures:
+                check_schema(s.schema, self.backend, param="structural_tag")
         return (kind, spec)
+
+    def _schema(self, spec: str) -> Any:
+        """The parsed schema, checked against the backend's keyword policy, oneOf as anyOf."""
+        try:
+            parsed = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise UnsupportedGrammar(f"json schema must be valid JSON, got {spec[:80]!r}: {e}", "json_schema") \
+                from None
+        if not isinstance(parsed, (dict, bool)):
+            raise UnsupportedGrammar(f"json schema must be a JSON object, got {type(parsed).__name__}", "json_schema")
+        check_schema(parsed, self.backend)
+        return one_of_as_any_of(parsed)
+
+    def library(self) -> Any:
+        """The xgrammar / llguidance backend object (its tokenizer tables are built once)."""
+        with self._library_lock:
+            if self._library is None:
+                started = time.perf_counter()
+                if self.backend == "xgrammar":
+                    from radixlang.constrained.xgrammar_backend import XGrammarBackend
+                    self._library = XGrammarBackend(self.tokenizer_info, whitespace_pattern=self.whitespace_pattern)
+                else:
+                    from radixlang.constrained.llguidance_backend import LLGuidanceBackend
+                    self._library = LLGuidanceBackend(self.tokenizer_info,
+                                                      whitespace_pattern=self.whitespace_pattern)
+                self.vocabulary_build_s = time.perf_counter() - started
+            return self._library
 
     def _start(self, key: GrammarKey, outer: Future[CompiledGrammar]) -> None:
         def finish(inner: Future[CompiledGrammar]) -> None:
@@ -147,13 +221,17 @@ class GrammarCompiler:
             inner.add_done_callback(built)
         inner.add_done_callback(finish)
 
-    def _build(self, key: GrammarKey) -> CompiledGrammar:
+    def _build(self, key: GrammarKey) -> Any:
         kind, spec = key
+        if self.backend != "outlines":
+            schema = self._schema(spec) if kind == "json" and spec is not None else None
+            return self.library().build(kind, spec, schema)
         if kind == "regex":
             # \d means ASCII digits, as in xgrammar and in what users of phone/date patterns expect
             regex = ascii_digits(spec)
         else:
-            regex = json_schema_to_regex(spec, whitespace_pattern=self.whitespace_pattern,
+            schema = None if spec is None else json.dumps(self._schema(spec))
+            regex = json_schema_to_regex(schema, whitespace_pattern=self.whitespace_pattern,
                                          any_depth=self.any_json_depth)
         assert regex is not None
         try:

@@ -55,6 +55,10 @@ class CompiledGrammar:
         self.initial_state: int = self.index.get_initial_state()
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer_info.eos_token_ids)
 
+    def new_grammar(self) -> Grammar:
+        """A fresh per-request state (every backend's compiled grammar has this)."""
+        return Grammar(self)
+
     def is_final(self, state: int) -> bool:
         return bool(self.index.is_final_state(state))
 

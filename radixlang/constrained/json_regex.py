@@ -70,39 +70,91 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
-MAX_ENUM_RANGE = 1000
 _VALUE_KEYS = frozenset({"enum", "const", "default", "examples"})
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# bounded integers become this const (a number no schema spells) and its regex literal is replaced afterwards
+_SENTINEL_BASE = 7_390_218_546_100_000
 
 
 def _int_bound(node: dict, inclusive: str, exclusive: str, step: int) -> int | None:
+    """The tightest integer bound of ``node`` on one side (step 1: lower, -1: upper), or None."""
+    bounds = []
     value = node.get(inclusive)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return math.ceil(value) if step > 0 else math.floor(value)
+        bounds.append(math.ceil(value) if step > 0 else math.floor(value))
     value = node.get(exclusive)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return math.floor(value) + 1 if step > 0 else math.ceil(value) - 1
-    return None
+        bounds.append(math.floor(value) + 1 if step > 0 else math.ceil(value) - 1)
+    if not bounds:
+        return None
+    return max(bounds) if step > 0 else min(bounds)
 
 
-def bound_integer_ranges(node: Any) -> Any:
-    """Rewrite bounded integer schemas as enums (outlines-core ignores minimum/maximum).
+def _same_length_range(lo: str, hi: str) -> str:
+    """Regex for the decimal strings of one length from lo to hi (lo <= hi), exact."""
+    if lo == hi:
+        return lo
+    if len(lo) == 1:
+        return f"[{lo}-{hi}]"
+    n = len(lo) - 1
+    if lo[0] == hi[0]:
+        return lo[0] + "(" + _same_length_range(lo[1:], hi[1:]) + ")"
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:
+        return f"[{lo[0]}-{hi[0]}][0-9]{{{n}}}"
+    parts = [lo[0] + "(" + _same_length_range(lo[1:], "9" * n) + ")"]
+    if int(hi[0]) - int(lo[0]) > 1:
+        parts.append(f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}][0-9]{{{n}}}")
+    parts.append(hi[0] + "(" + _same_length_range("0" * n, hi[1:]) + ")")
+    return "|".join(parts)
 
-    Only small ranges (at most MAX_ENUM_RANGE values) are rewritten; wider bounds
-    stay unenforced.
+
+def _natural_range(lo: int, hi: int | None) -> str:
+    """Regex for the decimals (no leading zeros) of the integers in [lo, hi], 0 <= lo; hi None = unbounded."""
+    parts = []
+    top = hi if hi is not None else 10 ** len(str(lo)) - 1
+    for digits in range(len(str(lo)), len(str(top)) + 1):
+        a = max(lo, 10 ** (digits - 1) if digits > 1 else 0)
+        b = min(top, 10 ** digits - 1)
+        if a <= b:
+            parts.append(_same_length_range(str(a), str(b)))
+    if hi is None:
+        parts.append(f"[1-9][0-9]{{{len(str(lo))},}}")
+    return "|".join(f"({p})" for p in parts)
+
+
+def integer_range_regex(lo: int | None, hi: int | None) -> str:
+    """An exact regex for the JSON integers in [lo, hi] (None: unbounded on that side); ValueError if empty."""
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"integer range is empty: minimum {lo} > maximum {hi}")
+    parts = []
+    if hi is None or hi >= 0:  # the non-negative part
+        parts.append(_natural_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:  # the negative part: -x for x in [max(1, -hi), -lo]
+        neg_lo = max(1, -hi) if hi is not None else 1
+        parts.append("-(" + _natural_range(neg_lo, -lo if lo is not None else None) + ")")
+    return "(" + "|".join(f"({p})" for p in parts) + ")"
+
+
+def bound_integers(node: Any, found: list[str] | None = None) -> tuple[Any, list[str]]:
+    """Replace each bounded integer schema by a sentinel const; returns (schema, regex per sentinel).
+
+    outlines-core ignores minimum/maximum; ``json_schema_to_regex`` swaps each
+    sentinel's literal in the built regex for ``integer_range_regex`` of its bounds.
     """
+    found = [] if found is None else found
     if isinstance(node, list):
-        return [bound_integer_ranges(x) for x in node]
+        return [bound_integers(x, found)[0] for x in node], found
     if not isinstance(node, dict):
-        return node
-    out = {k: (v if k in _VALUE_KEYS else bound_integer_ranges(v)) for k, v in node.items()}
-    if out.get("type") == "integer":
+        return node, found
+    out = {k: (v if k in _VALUE_KEYS else bound_integers(v, found)[0]) for k, v in node.items()}
+    if out.get("type") == "integer" and any(k in out for k in _BOUND_KEYS) and "enum" not in out \
+            and "const" not in out:
         lo = _int_bound(out, "minimum", "exclusiveMinimum", 1)
         hi = _int_bound(out, "maximum", "exclusiveMaximum", -1)
-        if lo is not None and hi is not None and 0 <= hi - lo < MAX_ENUM_RANGE:
-            rest = {k: v for k, v in out.items()
-                    if k not in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
-            return {**rest, "enum": list(range(lo, hi + 1))}
-    return out
+        found.append(integer_range_regex(lo, hi))
+        rest = {k: v for k, v in out.items() if k not in ("type", *_BOUND_KEYS)}
+        return {**rest, "const": _SENTINEL_BASE + len(found) - 1}, found
+    return out, found
 
 
 def json_schema_to_regex(schema: str | dict | None, *, whitespace_pattern: str | None = None,
@@ -125,10 +177,18 @@ def json_schema_to_regex(schema: str | dict | None, *, whitespace_pattern: str |
         raise ValueError(f"json schema must be valid JSON, got {schema[:80]!r}: {e}") from None
     if not isinstance(parsed, (dict, bool)):
         raise ValueError(f"json schema must be a JSON object, got {type(parsed).__name__}: {schema[:80]!r}")
+    ranges: list[str] = []
     if isinstance(parsed, dict):
-        schema = json.dumps(bound_integer_ranges(parsed))
+        bounded, ranges = bound_integers(parsed)
+        schema = json.dumps(bounded)
     try:
-        return ascii_digits(build_regex_from_schema(schema, ws))
+        regex = ascii_digits(build_regex_from_schema(schema, ws))
     except (ValueError, TypeError, KeyError, RecursionError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"unsupported or invalid json schema: {first_line} (schema: {schema[:80]!r})") from None
+    for i, sub in enumerate(ranges):
+        literal = str(_SENTINEL_BASE + i)
+        if regex.count(literal) != 1:
+            raise ValueError(f"unsupported json schema: a bounded integer could not be placed ({literal})")
+        regex = regex.replace(literal, sub)
+    return regex

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo
-from radixlang.constrained.json_regex import any_json_object_regex, bound_integer_ranges, json_schema_to_regex
+from radixlang.constrained.json_regex import any_json_object_regex, integer_range_regex, json_schema_to_regex
 
 ASCII = {chr(c): i for i, c in enumerate(range(32, 127))}
 ASCII["<eos>"] = len(ASCII)
@@ -54,7 +54,8 @@ def test_concurrent_compiles_share_one_future(compiler):
     ("json", "[1, 2]", "must be a JSON object"),
     ("json", '{"$ref": "#/$defs/missing"}', "unsupported or invalid json schema"),
     ("json", '{"type": "string", "pattern": "("}', "invalid json grammar"),
-    ("ebnf", "root ::= 'a'", "grammar kind must be one of"),
+    ("ebnf", "root ::= 'a'", "ebnf grammars are not supported by the outlines grammar backend"),
+    ("sql", "SELECT", "grammar kind must be one of"),
     ("regex", None, "needs a pattern string"),
 ])
 def test_invalid_grammars_raise_value_error(compiler, kind, spec, message):
@@ -136,17 +137,37 @@ def test_any_json_regex_shape():
     assert json_schema_to_regex(None, whitespace_pattern="") == regex
 
 
-def test_bound_integer_ranges_rewrites_small_ranges_only():
+def test_integer_bounds_are_exact_in_the_regex():
+    # outlines-core ignores minimum/maximum: every bounded integer becomes an exact range regex, wide
+    # ranges and one-sided bounds included (the issue's {"minimum": 1, "maximum": 9999} produced 10121)
     schema = {"type": "object", "properties": {
         "a": {"type": "integer", "minimum": 1, "maximum": 3},
         "b": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 3},
         "c": {"type": "integer", "minimum": 0},
-        "d": {"type": "integer", "minimum": 0, "maximum": 10**6},
-        "e": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]}}}
-    props = bound_integer_ranges(schema)["properties"]
-    assert props["a"] == {"enum": [1, 2, 3]} and props["b"] == {"enum": [1, 2]}
-    assert props["c"] == schema["properties"]["c"] and props["d"] == schema["properties"]["d"]
-    assert props["e"] == schema["properties"]["e"]   # enum values are data, not schemas
+        "d": {"type": "integer", "minimum": 1, "maximum": 9999},
+        "e": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]}}, "required": ["a", "b", "c", "d", "e"]}
+    regex = json_schema_to_regex(schema, whitespace_pattern="")
+
+    def doc(a=1, b=1, c=0, d=1):
+        return f'{{"a":{a},"b":{b},"c":{c},"d":{d},"e":{{"type":"integer","minimum":0,"maximum":1}}}}'
+
+    assert re.fullmatch(regex, doc()) and re.fullmatch(regex, doc(a=3, b=2, c=10**12, d=9999))
+    for bad in (doc(a=0), doc(a=4), doc(b=0), doc(b=3), doc(c=-1), doc(d=0), doc(d=10000), doc(d=10121),
+                doc(d="11111111111111111111111111111111"), doc(d="01")):
+        assert not re.fullmatch(regex, bad), bad
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 9999), (0, 0), (-5, 5), (-120, -3), (None, 10), (7, None), (None, None),
+                                   (-3, None), (None, -20), (99, 101), (123, 98765)])
+def test_integer_range_regex_is_exact(lo, hi):
+    import random
+    pattern = re.compile(integer_range_regex(lo, hi))
+    rng = random.Random(0)
+    for x in [*range(-1100, 1100), *(rng.randrange(-10**7, 10**7) for _ in range(2000))]:
+        inside = (lo is None or x >= lo) and (hi is None or x <= hi)
+        assert bool(pattern.fullmatch(str(x))) == inside, (lo, hi, x)
+    for bad in ("01", "-0", "00", "+1", "1.0", ""):
+        assert not pattern.fullmatch(bad), bad
 
 
 def test_shutdown_fails_queued_compiles(smollm_info):

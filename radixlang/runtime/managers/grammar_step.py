@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from radixlang.constrained import Grammar
+from radixlang.constrained import GrammarState
 from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
 from radixlang.runtime.managers.io_struct import FinishReason
 from radixlang.runtime.managers.schedule_batch import Req
@@ -20,11 +20,14 @@ def apply_grammar_masks(reqs: list[Req], logits: torch.Tensor) -> None:
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
     if not rows:
         return
-    mask = allocate_token_bitmask(len(reqs), logits.shape[-1], logits.device)
+    # filled on the CPU (where every backend computes masks), then one copy to the logits' device
+    mask = allocate_token_bitmask(len(reqs), logits.shape[-1], "cpu")
     for i in rows:
         grammar = reqs[i].grammar
         if grammar is not None:
             grammar.allowed_token_mask(mask[i])
+    if logits.device.type != "cpu":
+        mask = mask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else mask.to(logits.device)
     apply_token_bitmask_inplace(logits, mask, rows)
 
 
@@ -41,7 +44,7 @@ def advance_grammar(req: Req, tok: int) -> FinishReason | None:
     return None
 
 
-def jump_forward(req: Req, before: Grammar, tokenizer: Any) -> tuple[FinishReason | None, int]:
+def jump_forward(req: Req, before: GrammarState, tokenizer: Any) -> tuple[FinishReason | None, int]:
     """Append the text the grammar forces after the newest token: (a finish reason if that ends it,
     the number of tokens added).
 

@@ -1,7 +1,7 @@
 """GrammarWaits: constrained requests wait in the queue while their grammar compiles.
 
 The compiler runs on worker threads; each step the scheduler polls the waiting requests'
-futures, attaches a ``Grammar`` to those that completed and fails (alone) those whose grammar
+futures, attaches the per-request grammar state to those that completed and fails (alone) those whose grammar
 did not compile. A request with a grammar still compiling is never admitted.
 """
 from __future__ import annotations
@@ -10,8 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, TokenizerInfo
-from radixlang.runtime.errors import RequestError
+from radixlang.constrained import GrammarCompiler, TokenizerInfo
 from radixlang.runtime.managers.schedule_batch import Req
 from radixlang.runtime.managers.scheduler_output import OutputCollector
 from radixlang.runtime.sampling.sampling_params import SamplingParams
@@ -19,8 +18,11 @@ from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 class GrammarWaits:
     def __init__(self, *, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], timeout_s: float,
-                 whitespace_pattern: str | None, compiler: GrammarCompiler | None = None) -> None:
-        """``compiler``: one to use instead of building it from the tokenizer on the first grammar."""
+                 whitespace_pattern: str | None, compiler: GrammarCompiler | None = None,
+                 backend: str = "outlines") -> None:
+        """``compiler``: one to use instead of building it from the tokenizer on the first grammar;
+        ``backend``: the grammar backend of a compiler built here (ServerArgs.grammar_backend)."""
+        self._backend = backend
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_ids = eos_ids
@@ -34,24 +36,22 @@ class GrammarWaits:
         if self._compiler is None:
             info = TokenizerInfo.from_tokenizer(self._tokenizer, vocab_size=self._vocab_size,
                                                 eos_token_ids=sorted(self._eos_ids))
-            self._compiler = GrammarCompiler(info, timeout_s=self._timeout_s,
+            self._compiler = GrammarCompiler(info, backend=self._backend, timeout_s=self._timeout_s,
                                              whitespace_pattern=self._whitespace_pattern)
         return self._compiler
 
-    def submit(self, params: SamplingParams) -> Future[CompiledGrammar] | None:
+    def submit(self, params: SamplingParams) -> Future[Any] | None:
         """Start compiling the request's grammar; None when it has none.
 
-        Raises RequestError (or the compiler's ValueError) for a grammar refused outright.
+        A kind, schema keyword or format the backend does not enforce fails the future at once
+        with an UnsupportedGrammar (a ValueError whose ``param`` names the field: a 400).
         """
         if params.grammar_key is None:
             return None
-        kind, spec = params.grammar_key
-        if kind == "ebnf":
-            raise RequestError("ebnf grammars are not supported yet: use regex or json_schema", "ebnf")
-        return self.compiler.compile_async(kind, spec)
+        return self.compiler.compile_async(*params.grammar_key)
 
     @staticmethod
-    def poll(waiting: list[Req], outputs: OutputCollector) -> list[Future[CompiledGrammar]]:
+    def poll(waiting: list[Req], outputs: OutputCollector) -> list[Future[Any]]:
         """Attach compiled grammars to waiting requests; fail those whose grammar did not compile.
 
         Returns the futures still compiling.
@@ -65,10 +65,10 @@ class GrammarWaits:
                 pending.append(fut)
                 continue
             try:
-                req.grammar = Grammar(fut.result())
+                req.grammar = fut.result().new_grammar()
             except Exception as e:  # noqa: BLE001 -- a bad or too slow grammar fails only its own request
                 waiting.remove(req)
-                outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len)
+                outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len, param=getattr(e, "param", None))
         return pending
 
     @staticmethod
@@ -76,6 +76,6 @@ class GrammarWaits:
         return req.grammar_future is not None and req.grammar is None
 
     @staticmethod
-    def wait(pending: list[Future[CompiledGrammar]], timeout_s: float = 0.01) -> None:
+    def wait(pending: list[Future[Any]], timeout_s: float = 0.01) -> None:
         """Block until one grammar completes or ``timeout_s`` passes (a loop with nothing else to do)."""
         wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)

@@ -70,7 +70,8 @@ class Scheduler:
         self.outputs = OutputCollector()
         self.grammars = GrammarWaits(tokenizer=self.tokenizer, vocab_size=self.runner.vocab_size,
                                      eos_ids=self.eos_ids, timeout_s=self.args.grammar_compile_timeout,
-                                     whitespace_pattern=self.args.constrained_json_whitespace_pattern)
+                                     whitespace_pattern=self.args.constrained_json_whitespace_pattern,
+                                     backend=self.args.grammar_backend)
         self.metrics = SchedulerStats()
         self.stats = self.metrics.counts
         self.jump_forward = not self.args.disable_jump_forward

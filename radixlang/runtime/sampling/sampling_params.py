@@ -18,6 +18,9 @@ _GREEDY_EPS = 1e-6
 ANY_JSON = "$$ANY$$"
 
 
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -44,6 +47,7 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None
     # regexes: generation stops once the output text matches one; the text is cut before the match
     stop_regex: list[str] = field(default_factory=list)
+    structural_tag: str | None = None  # {"type": "structural_tag", "structures": [...], "triggers": [...]}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_regex, str):
@@ -60,6 +64,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
         self.validate()
 
     def validate(self) -> None:
@@ -103,9 +109,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
-        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        given = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise RequestError(f"only one of regex, json_schema, ebnf may be given, got {', '.join(given)}", given[0])
+            raise RequestError(f"only one of {', '.join(_GRAMMAR_FIELDS)} may be given, got {', '.join(given)}",
+                               given[0])
         for name in given:
             if not isinstance(getattr(self, name), str):
                 raise RequestError(f"{name} must be a string, got {type(getattr(self, name)).__name__}", name)
@@ -145,6 +152,8 @@ class SamplingParams:
             return ("json", None if self.json_schema == ANY_JSON else self.json_schema)
         if self.ebnf is not None:
             return ("ebnf", self.ebnf)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
         return None
 
     @classmethod

@@ -49,9 +49,12 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's json_object + schema
+    # type structural_tag (SGLang / xgrammar): free text, and after a trigger begin + schema body + end
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -137,7 +140,25 @@ def to_sampling(req: CompletionRequest | ChatRequest, constraint: str | None) ->
         if given:
             raise RequestError(f"{given[0]} cannot be combined with response_format or tool_choice", given[0])
         params["json_schema"] = constraint
+    tag = structural_tag_constraint(req)
+    if tag is not None:
+        given = [name for name in ("regex", "json_schema") if name in params]
+        if given:
+            raise RequestError(f"{given[0]} cannot be combined with a structural_tag response_format", given[0])
+        params["structural_tag"] = tag
     return params
+
+
+# ---- response_format structural_tag (grammar side; checked in full by the grammar compiler) ----------
+def structural_tag_constraint(req: CompletionRequest | ChatRequest) -> str | None:
+    """The structural_tag sampling param a ``response_format: {"type": "structural_tag"}`` asks for."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is None or fmt.type != "structural_tag":
+        return None
+    if not fmt.structures or not fmt.triggers:
+        raise RequestError("response_format of type structural_tag needs structures and triggers",
+                           "response_format")
+    return json.dumps({"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers})
 
 
 
@@ -165,7 +186,7 @@ def chat_constraint(req: ChatRequest, tools: list[Tool]) -> str | None:
         raise RequestError("response_format cannot be combined with a forced tool_choice", "response_format")
     if forced:
         return json.dumps(_tool_call_schema(tools))
-    if fmt is None or fmt.type == "text":
+    if fmt is None or fmt.type in ("text", "structural_tag"):
         return None
     if fmt.type == "json_schema":
         if fmt.json_schema is None:

@@ -1,0 +1,105 @@
+"""The llguidance backend: regex, JSON schema, EBNF (Lark, or GBNF converted by llguidance) and
+structural tags."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance as llg
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
+from radixlang.constrained.structural_tag import parse_structural_tag
+from radixlang.constrained.tokenizer_info import TokenizerInfo
+
+KINDS = ("regex", "json", "ebnf", "structural_tag")
+# compact separators, as the outlines backend writes JSON by default
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class _ByteTokenizer:
+    """What llguidance's TokenizerWrapper reads: token bytes, specials, and a (byte by byte) encoder."""
+
+    def __init__(self, info: TokenizerInfo) -> None:
+        self.eos_token_id = info.eos_token_ids[0]
+        self.bos_token_id = None
+        # tokens without bytes are special: llguidance spells them 0xFF + a name and never matches them as text
+        self.tokens = [b if b else b"\xff<|special_%d|>" % i for i, b in enumerate(info.token_bytes)]
+        self.special_token_ids = [i for i, b in enumerate(info.token_bytes) if not b]
+        self._single = info.single_byte_ids
+
+    def __call__(self, data: bytes) -> list[int]:
+        return [self._single[b] for b in data if self._single[b] >= 0]
+
+
+class LLGuidanceGrammar(MatcherGrammar):
+    def _new_matcher(self) -> Any:
+        compiled = self.compiled.handle
+        matcher = llg.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def _fork(self) -> Any:
+        return self.matcher.deep_copy()
+
+    def _fill(self, row: torch.Tensor) -> None:
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def _accept(self, token_id: int) -> bool:
+        if self.matcher.validate_tokens([token_id]) != 1:
+            return False
+        return bool(self.matcher.consume_token(token_id))
+
+    def _accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def _forced_bytes(self) -> bytes:
+        return bytes(self.matcher.compute_ff_bytes())
+
+
+class _Handle:
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        self.tokenizer, self.grammar = tokenizer, grammar
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+    kinds = KINDS
+
+    def __init__(self, info: TokenizerInfo, *, whitespace_pattern: str | None = None) -> None:
+        self.info = info
+        self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer(info)), n_vocab=info.vocab_size,
+                                          eos_token=list(info.eos_token_ids))
+        self._base = spellable_mask(info)
+        self.whitespace_pattern = whitespace_pattern
+
+    def build(self, kind: str, spec: str | None, schema: Any = None) -> MatcherCompiled:
+        if kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(spec)
+        elif kind == "json":
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                {"type": "object"} if schema is None else schema, overrides=JSON_OPTIONS)
+        elif kind == "ebnf":
+            try:
+                lark = any_to_lark(spec)  # GBNF (root ::= ...) is converted, Lark passes through
+            except Exception as e:  # the converter raises bare exceptions for GBNF it can't read
+                raise ValueError(f"invalid ebnf grammar for llguidance: {str(e)[:300]}") from None
+            grammar = llg.LLMatcher.grammar_from_lark(lark)
+        else:
+            tag = parse_structural_tag(spec)
+            tags = [llg.StructTag(trigger=tag.trigger_of(s), begin=s.begin, end=s.end,
+                                  grammar={**(s.schema if isinstance(s.schema, dict) else {}),
+                                           "x-guidance": JSON_OPTIONS})
+                    for s in tag.structures if s.schema is not False]
+            if not tags:
+                raise ValueError("invalid structural_tag grammar: every structure has the schema false")
+            grammar = llg.StructTag.to_grammar(tags, assume_special=False)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            message = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "invalid"
+            raise ValueError(f"invalid {kind} grammar for llguidance: {message[:300]}")
+        return MatcherCompiled(backend=self.name, kind=kind, spec=spec, handle=_Handle(self._tokenizer, grammar),
+                               tokenizer_info=self.info, grammar_cls=LLGuidanceGrammar, base_mask=self._base)

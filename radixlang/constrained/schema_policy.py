@@ -1,0 +1,204 @@
+"""Which JSON-Schema keywords each backend enforces; every other keyword is refused.
+
+A schema reaches a backend only when every keyword in it (at any depth) is
+either an annotation (title, description, default ...: they constrain nothing)
+or in that backend's table, and every ``format`` is in its format table. The
+tables hold only what the schema-corpus tests (tests/constrained/
+test_schema_fidelity.py) show the backend enforces: a random walk through the
+grammar yields only documents that ``jsonschema`` accepts. Anything else is an
+``UnsupportedGrammar`` naming the keyword and the backend, so the request fails
+with a 400 instead of producing output that violates its schema.
+
+Two keywords get special handling before the check:
+- ``oneOf`` is enforced as ``anyOf`` (no backend can express "exactly one"),
+  which is exact only when no document matches two branches: accepted when the
+  branches are provably disjoint (distinct JSON types, or objects told apart by
+  a required property with different ``const`` / ``enum`` values), refused otherwise.
+- outlines-core ignores numeric bounds: bounded integers are rewritten into an
+  exact regex by json_regex (so ``minimum``/``maximum``/``exclusive*`` on an
+  integer are enforced); bounds on a ``number`` are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from radixlang.constrained.errors import UnsupportedGrammar
+
+ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples",
+                         "deprecated", "readOnly", "writeOnly", "$anchor"})
+
+_CORE = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const",
+                   "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems",
+                   "minLength", "maxLength", "pattern", "format"})
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+ENFORCED_KEYWORDS: dict[str, frozenset[str]] = {
+    # numeric bounds only on integers (see module doc); checked in _check_node
+    "outlines": _CORE | _BOUNDS,
+    "xgrammar": _CORE | _BOUNDS | {"prefixItems"},
+    "llguidance": _CORE | _BOUNDS | {"prefixItems"},
+}
+
+ENFORCED_FORMATS: dict[str, frozenset[str]] = {
+    "outlines": frozenset({"date-time", "date", "time", "uuid", "email", "uri"}),
+    "xgrammar": frozenset({"date-time", "date", "time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri"}),
+    "llguidance": frozenset({"date-time", "date", "time", "uuid", "email", "ipv4", "ipv6", "hostname"}),
+}
+
+# keyword -> how its value holds subschemas
+_SCHEMA_VALUED = ("additionalProperties", "items", "not", "contains", "if", "then", "else",
+                  "propertyNames", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _subschemas(node: dict) -> Iterator[tuple[str, Any]]:
+    for key in _SCHEMA_VALUED:
+        if key in node and isinstance(node[key], (dict, list)):
+            value = node[key]
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value)) if isinstance(value, list) \
+                else ((key, value),)
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(node[key]))
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            yield from ((f"{key}.{name}", v) for name, v in node[key].items())
+
+
+def _types(node: Any) -> set[str] | None:
+    """The JSON types a (resolved-enough) schema allows, or None when it can't tell."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return {_json_type(node["const"])}
+    if isinstance(node.get("enum"), list):
+        return {_json_type(v) for v in node["enum"]}
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _tags(branch: dict, prop: str) -> set[Any] | None:
+    """The values a required property ``prop`` may take in an object branch (const / enum), else None."""
+    if prop not in (branch.get("required") or []):
+        return None
+    sub = (branch.get("properties") or {}).get(prop)
+    if not isinstance(sub, dict):
+        return None
+    if "const" in sub:
+        return {repr(sub["const"])}
+    if isinstance(sub.get("enum"), list):
+        return {repr(v) for v in sub["enum"]}
+    return None
+
+
+def one_of_is_disjoint(branches: list[Any], resolve: Any = None) -> bool:
+    """True when no JSON document can match two of ``branches`` (a sufficient check, not a complete one)."""
+    resolved = [resolve(b) if resolve is not None else b for b in branches]
+    kinds = [_types(b) for b in resolved]
+    if all(k is not None for k in kinds):
+        widened = [k | {"number"} if "integer" in k else k | {"integer"} if "number" in k else k
+                   for k in kinds]  # 1 is an integer and a number
+        if all(not (widened[i] & kinds[j]) for i in range(len(kinds)) for j in range(len(kinds)) if i != j):
+            return True
+    if not all(isinstance(b, dict) and _types(b) in ({"object"}, None) and "properties" in b for b in resolved):
+        return False
+    common = set.intersection(*(set(b.get("required") or []) for b in resolved)) if resolved else set()
+    for prop in sorted(common):
+        tags = [_tags(b, prop) for b in resolved]
+        if all(t is not None for t in tags) and \
+                all(not (tags[i] & tags[j]) for i in range(len(tags)) for j in range(i + 1, len(tags))):
+            return True
+    return False
+
+
+def _resolver(root: Any) -> Any:
+    def resolve(node: Any) -> Any:
+        seen = 0
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/") \
+                and seen < 32:
+            target: Any = root
+            for part in node["$ref"][2:].split("/"):
+                part = part.replace("~1", "/").replace("~0", "~")
+                target = target.get(part) if isinstance(target, dict) else None
+            if target is None:
+                return node
+            node, seen = target, seen + 1
+        return node
+    return resolve
+
+
+def check_schema(schema: Any, backend: str, param: str = "json_schema") -> None:
+    """Refuse (UnsupportedGrammar naming keyword and backend) a schema the backend would not enforce."""
+    if backend not in ENFORCED_KEYWORDS:
+        raise ValueError(f"unknown grammar backend {backend!r}: expected one of {sorted(ENFORCED_KEYWORDS)}")
+    _check_node(schema, "#", backend, param, _resolver(schema))
+
+
+def _refuse(message: str, backend: str, param: str) -> UnsupportedGrammar:
+    return UnsupportedGrammar(f"{message} is not enforced by the {backend} grammar backend "
+                              f"(choose another --grammar-backend or drop it)", param)
+
+
+def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -> None:
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise UnsupportedGrammar(f"json_schema: the schema at {where} must be an object or a boolean, "
+                                 f"got {type(node).__name__}", param)
+    allowed = ENFORCED_KEYWORDS[backend]
+    for key, value in node.items():
+        if key in ANNOTATIONS:
+            continue
+        if key not in allowed:
+            if key == "uniqueItems" and value is False:
+                continue
+            raise _refuse(f"JSON-Schema keyword {key!r} (at {where})", backend, param)
+        if key == "format" and value not in ENFORCED_FORMATS[backend]:
+            raise _refuse(f"JSON-Schema format {value!r} (at {where})", backend, param)
+        if key in _BOUNDS and backend == "outlines" and _types(node) != {"integer"}:
+            raise _refuse(f"JSON-Schema keyword {key!r} on a non-integer (at {where})", backend, param)
+        if key == "oneOf" and isinstance(value, list) and not one_of_is_disjoint(value, resolve):
+            raise _refuse(f"JSON-Schema keyword 'oneOf' with overlapping branches (at {where}; "
+                          f"it is enforced as anyOf, exact only for disjoint branches)", backend, param)
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise _refuse(f"JSON-Schema $ref {value!r} outside the schema (at {where})", backend, param)
+    for sub_where, sub in _subschemas(node):
+        _check_node(sub, f"{where}/{sub_where}", backend, param, resolve)
+
+
+def one_of_as_any_of(node: Any) -> Any:
+    """A copy of ``node`` with every oneOf spelled anyOf (callers check disjointness first)."""
+    if isinstance(node, list):
+        return [one_of_as_any_of(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        elif key == "oneOf" and "anyOf" not in node:
+            out["anyOf"] = one_of_as_any_of(value)
+        else:
+            out[key] = one_of_as_any_of(value)
+    return out
