@@ -1,15 +1,17 @@
-"""Constrained decoding on SmolLM2, end to end and per mask step, in one run.
+"""Constrained decoding on SmolLM2, end to end and per mask step, per grammar backend, in one run.
 
-1. decode tokens/s with a JSON schema vs unconstrained, batch 1 and 16 (goal: >= 0.9x);
-   constrained runs with jump-forward off so the ratio is the cost of masking alone, and each
-   free request decodes as many tokens as its constrained twin;
-2. grammar compile time over the test schemas: median first compile, median cached;
-3. jump-forward on vs off for a schema with long keys: wall time and forward steps
-   (goal: >= 1.5x fewer steps);
-4. the per-token mask cost of our path beside xgrammar and llguidance on the same
-   schema and tokenizer (bench.constrained_micro).
+For each backend (outlines, xgrammar, llguidance):
+1. decode tokens/s with a JSON schema vs unconstrained, batch 1 and 16 (goal: >= 0.95x at
+   batch 16); constrained runs with jump-forward off so the ratio is the cost of masking alone,
+   and each free request decodes as many tokens as its constrained twin, right after it;
+2. grammar compile time over the schema corpus (tests/constrained): median first compile,
+   median cached, and how many schemas the backend refuses;
+3. mask + advance per token for a JSON schema and an EBNF grammar (bench.constrained_micro;
+   goal: EBNF within 2x of JSON).
+Then jump-forward on vs off for a schema with long keys on the default backend: wall time
+and forward steps (goal: >= 1.5x fewer steps).
 
-    .venv/bin/python -m bench.constrained [--quick]
+    .venv/bin/python -m bench.constrained [--quick] [--backends outlines,xgrammar]
 
 Writes bench/results/constrained.json.
 """
@@ -27,8 +29,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench import constrained_micro  # noqa: E402
 from bench.common import threads, write_result  # noqa: E402
 from radixlang import Engine  # noqa: E402
-from radixlang.constrained import GrammarCompiler, TokenizerInfo  # noqa: E402
-from tests.constrained.test_random_walk import SCHEMAS  # noqa: E402
+from radixlang.constrained import BACKENDS, GrammarCompiler, TokenizerInfo, UnsupportedGrammar  # noqa: E402
+from radixlang.runtime.server_args import ServerArgs  # noqa: E402
+from tests.constrained.schema_corpus import OPENAI_STYLE  # noqa: E402
+from tests.constrained.test_random_walk import SCHEMAS as WALK_SCHEMAS  # noqa: E402
+
+SCHEMAS = {**WALK_SCHEMAS, **OPENAI_STYLE}
 
 # a free-text field long enough to measure decode, closed by the grammar
 STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 40}},
@@ -80,9 +86,10 @@ def decode_ratio(free: Engine, masked: Engine, batch: int, tokens: int) -> dict[
     return row
 
 
-def compile_times(tokenizer: Any) -> dict[str, Any]:
-    compiler = GrammarCompiler(TokenizerInfo.from_tokenizer(tokenizer))
-    first, cached, failed = [], [], {}
+def compile_times(tokenizer: Any, backend: str) -> dict[str, Any]:
+    compiler = GrammarCompiler(TokenizerInfo.from_tokenizer(tokenizer), backend=backend, cache_size=256)
+    compiler.compile("regex", "warm")  # tokenizer tables, built once per server
+    first, cached, failed, refused = [], [], {}, []
     for name, schema in sorted(SCHEMAS.items()):
         spec = json.dumps(schema)
         try:
@@ -92,10 +99,13 @@ def compile_times(tokenizer: Any) -> dict[str, Any]:
             t = time.perf_counter()
             compiler.compile("json", spec)
             cached.append(time.perf_counter() - t)
+        except UnsupportedGrammar:
+            refused.append(name)
         except Exception as e:  # keep the others' numbers
             failed[name] = f"{type(e).__name__}: {e}"
     compiler.shutdown()
-    return {"schemas": len(SCHEMAS), "first_median_s": statistics.median(first), "first_max_s": max(first),
+    return {"schemas": len(SCHEMAS), "compiled": len(first), "refused": refused,
+            "first_median_ms": statistics.median(first) * 1e3, "first_max_ms": max(first) * 1e3,
             "cached_median_us": statistics.median(cached) * 1e6, "failed": failed}
 
 
@@ -126,38 +136,48 @@ def _valid_json(text: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens per request")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated grammar backends")
     args = ap.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
     tokens = 48 if args.quick else 128
     common = {"max_total_tokens": 32768, "num_threads": threads()}
-    results: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "tokens_per_request": tokens}
+    results: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "tokens_per_request": tokens,
+                               "default_backend": ServerArgs().grammar_backend, "backends": {}}
+    tok = constrained_micro.load_tokenizer()
+    micro = constrained_micro.run(tok, 3)
+    results["mask_step"] = micro
+    for backend in backends:
+        row = results["backends"][backend] = {"compile": compile_times(tok, backend)}
+        c = row["compile"]
+        print(f"{backend}: compile over {c['schemas']} schemas: {c['compiled']} compiled, "
+              f"{len(c['refused'])} refused {c['refused']}, {len(c['failed'])} failed; first median "
+              f"{c['first_median_ms']:.1f} ms (max {c['first_max_ms']:.0f} ms), cached median "
+              f"{c['cached_median_us']:.1f} us")
+        m = micro[backend]
+        print(f"{backend}: mask+accept per token: json {m['json']['mask_accept_us']:.1f} us"
+              + (f", ebnf {m['ebnf']['mask_accept_us']:.1f} us = {m['ebnf_over_json_mask_step']:.2f}x json "
+                 f"(goal <= 2x)" if "ebnf_over_json_mask_step" in m else ", ebnf not supported"))
+        free = Engine(**common, disable_jump_forward=True)
+        masked = Engine(**common, disable_jump_forward=True, grammar_backend=backend)
+        try:
+            for batch in (1, 16):
+                row[f"decode_b{batch}"] = d = decode_ratio(free, masked, batch, tokens)
+                print(f"{backend}: decode batch {batch}: json/free tokens/s {d['ratio']:.2f}x"
+                      f"{' (goal >= 0.95x)' if batch == 16 else ''}; json {d['json']['tok_s']:.1f} tok/s "
+                      f"({d['json']['valid']}/{batch} valid), free {d['free']['tok_s']:.1f} tok/s")
+        finally:
+            masked.shutdown()
+            free.shutdown()
     on = Engine(**common)
     off = Engine(**common, disable_jump_forward=True)
     try:
-        results["compile"] = compile_times(on.scheduler.tokenizer)
-        print("compile", json.dumps(results["compile"]))
-        for batch in (1, 16):
-            results[f"decode_b{batch}"] = row = decode_ratio(on, off, batch, tokens)
-            print(f"decode batch {batch}: json/free tokens/s {row['ratio']:.2f}x (goal >= 0.9x); "
-                  f"json {row['json']['tok_s']:.1f} tok/s, free {row['free']['tok_s']:.1f} tok/s")
         for batch in (1, 8):
             results[f"jump_forward_b{batch}"] = row = jump_forward(on, off, batch)
-            print(f"jump-forward batch {batch}: {row['fewer_steps']:.2f}x fewer steps (goal >= 1.5x), "
-                  f"{row['speedup_wall']:.2f}x wall; on {row['on']} off {row['off']}")
+            print(f"jump-forward ({results['default_backend']}) batch {batch}: {row['fewer_steps']:.2f}x fewer "
+                  f"steps (goal >= 1.5x), {row['speedup_wall']:.2f}x wall; on {row['on']} off {row['off']}")
     finally:
         on.shutdown()
         off.shutdown()
-    tok = constrained_micro.load_tokenizer()
-    ids = tok.encode(constrained_micro.DOCUMENT, add_special_tokens=False)
-    micro: dict[str, Any] = {"radixlang_outlines": constrained_micro.bench_radixlang(tok, ids, 3)}
-    for name, fn in (("xgrammar", constrained_micro.bench_xgrammar),
-                     ("llguidance", constrained_micro.bench_llguidance)):
-        try:
-            micro[name] = fn(tok, ids, 3) or "not installed"
-        except Exception as e:  # a peer's API drift must not lose our numbers
-            micro[name] = f"failed: {type(e).__name__}: {e}"
-    results["mask_step"] = micro
-    print("mask step (us, warm):", {k: v["mask_accept_us_warm"] if isinstance(v, dict) else v
-                                     for k, v in micro.items()})
     print("wrote", write_result("constrained", results))
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar
 from radixlang.constrained.json_regex import ANY_JSON_MARKER, ascii_digits, json_schema_to_regex
-from radixlang.constrained.schema_policy import check_schema, one_of_as_any_of
+from radixlang.constrained.schema_policy import prepare_schema
 from radixlang.constrained.structural_tag import normalize_structural_tag, parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
@@ -140,7 +140,7 @@ class GrammarCompiler:
         if kind == "structural_tag":
             spec = normalize_structural_tag(spec)  # type: ignore[arg-type]
             for s in parse_structural_tag(spec).structures:
-                check_schema(s.schema, self.backend, param="structural_tag")
+                prepare_schema(s.schema, self.backend, param="structural_tag")
         return (kind, spec)
 
     def _schema(self, spec: str) -> Any:
@@ -152,8 +152,7 @@ class GrammarCompiler:
                 from None
         if not isinstance(parsed, (dict, bool)):
             raise UnsupportedGrammar(f"json schema must be a JSON object, got {type(parsed).__name__}", "json_schema")
-        check_schema(parsed, self.backend)
-        return one_of_as_any_of(parsed)
+        return prepare_schema(parsed, self.backend)
 
     def library(self) -> Any:
         """The xgrammar / llguidance backend object (its tokenizer tables are built once)."""

@@ -188,7 +188,7 @@ def json_schema_to_regex(schema: str | dict | None, *, whitespace_pattern: str |
         raise ValueError(f"unsupported or invalid json schema: {first_line} (schema: {schema[:80]!r})") from None
     for i, sub in enumerate(ranges):
         literal = str(_SENTINEL_BASE + i)
-        if regex.count(literal) != 1:
+        if literal not in regex:  # a repeated subschema (array items, allOf) holds it more than once
             raise ValueError(f"unsupported json schema: a bounded integer could not be placed ({literal})")
         regex = regex.replace(literal, sub)
     return regex

@@ -11,6 +11,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
+from radixlang.constrained.schema_policy import prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
@@ -90,10 +91,10 @@ class LLGuidanceBackend:
             grammar = llg.LLMatcher.grammar_from_lark(lark)
         else:
             tag = parse_structural_tag(spec)
+            schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
             tags = [llg.StructTag(trigger=tag.trigger_of(s), begin=s.begin, end=s.end,
-                                  grammar={**(s.schema if isinstance(s.schema, dict) else {}),
-                                           "x-guidance": JSON_OPTIONS})
-                    for s in tag.structures if s.schema is not False]
+                                  grammar={**(schema if isinstance(schema, dict) else {}), "x-guidance": JSON_OPTIONS})
+                    for s, schema in zip(tag.structures, schemas) if schema is not False]
             if not tags:
                 raise ValueError("invalid structural_tag grammar: every structure has the schema false")
             grammar = llg.StructTag.to_grammar(tags, assume_special=False)

@@ -35,17 +35,30 @@ _CORE = frozenset({"type", "properties", "required", "additionalProperties", "it
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 
 ENFORCED_KEYWORDS: dict[str, frozenset[str]] = {
-    # numeric bounds only on integers (see module doc); checked in _check_node
-    "outlines": _CORE | _BOUNDS,
-    "xgrammar": _CORE | _BOUNDS | {"prefixItems"},
+    # numeric bounds only on integers (see module doc); checked in _check_node. outlines-core
+    # writes allOf as the concatenation of its branches, xgrammar ignores it: both refuse it.
+    # xgrammar's length-bounded strings allow raw control characters (invalid JSON), and in a
+    # pattern it lets "([.][0-9]{1,6})?" match "8572" (a dot in an optional group matches any
+    # character): minLength, maxLength and pattern are refused there
+    "outlines": (_CORE - {"allOf"}) | _BOUNDS,
+    "xgrammar": (_CORE - {"allOf", "minLength", "maxLength", "pattern"}) | _BOUNDS | {"prefixItems"},
     "llguidance": _CORE | _BOUNDS | {"prefixItems"},
 }
 
+# date, date-time and time are rewritten into EXACT_FORMAT_PATTERNS on every backend (the
+# backends' own date regexes allow 2024-09-31); the rest are the backends' own
 ENFORCED_FORMATS: dict[str, frozenset[str]] = {
-    "outlines": frozenset({"date-time", "date", "time", "uuid", "email", "uri"}),
-    "xgrammar": frozenset({"date-time", "date", "time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri"}),
-    "llguidance": frozenset({"date-time", "date", "time", "uuid", "email", "ipv4", "ipv6", "hostname"}),
+    "outlines": frozenset({"uuid", "email"}),
+    "xgrammar": frozenset({"uuid", "email"}),  # its ipv4 allows leading zeros (0.00.035.7)
+    "llguidance": frozenset({"uuid", "email", "ipv4"}),
 }
+
+_YEAR = "([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+EXACT_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
 
 # keyword -> how its value holds subschemas
 _SCHEMA_VALUED = ("additionalProperties", "items", "not", "contains", "if", "then", "else",
@@ -187,6 +200,23 @@ def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -
         _check_node(sub, f"{where}/{sub_where}", backend, param, resolve)
 
 
+def exact_formats(node: Any) -> Any:
+    """A copy of ``node`` with each date / time / date-time string format spelled as an exact pattern.
+
+    Left as it is (and so checked against ENFORCED_FORMATS) where the node has its own pattern.
+    """
+    if isinstance(node, list):
+        return [exact_formats(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in ("enum", "const", "default", "examples") else exact_formats(v)) for k, v in node.items()}
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in EXACT_FORMAT_PATTERNS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = EXACT_FORMAT_PATTERNS[fmt]
+    return out
+
+
 def one_of_as_any_of(node: Any) -> Any:
     """A copy of ``node`` with every oneOf spelled anyOf (callers check disjointness first)."""
     if isinstance(node, list):
@@ -202,3 +232,11 @@ def one_of_as_any_of(node: Any) -> Any:
         else:
             out[key] = one_of_as_any_of(value)
     return out
+
+
+def prepare_schema(schema: Any, backend: str, param: str = "json_schema") -> Any:
+    """Check ``schema`` against the backend's policy and return what the backend is given."""
+    if "pattern" in ENFORCED_KEYWORDS.get(backend, ()):
+        schema = exact_formats(schema)  # else the format itself is refused
+    check_schema(schema, backend, param)
+    return one_of_as_any_of(schema)

@@ -9,6 +9,7 @@ import torch
 import xgrammar as xg
 
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
+from radixlang.constrained.schema_policy import prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
@@ -63,8 +64,9 @@ class XGrammarBackend:
                 handle = self._compiler.compile_grammar(spec)
             else:
                 tag = parse_structural_tag(spec)
-                items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(s.schema), end=s.end)
-                         for s in tag.structures]
+                schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
+                items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(schema), end=s.end)
+                         for s, schema in zip(tag.structures, schemas)]
                 handle = self._compiler.compile_structural_tag(
                     xg.StructuralTag.from_legacy_structural_tag(items, list(tag.triggers)))
         except (RuntimeError, ValueError, TypeError) as e:

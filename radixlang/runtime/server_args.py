@@ -52,9 +52,10 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "turn off prefix sharing across requests")
     page_size: int = _f(1, "tokens per radix-tree page; only 1 is supported (the KV pool is token-granular)")
     # constrained decoding
-    grammar_backend: str = _f("xgrammar", "grammar engine: outlines (regex, json_schema), xgrammar and llguidance "
-                                          "(regex, json_schema, ebnf, structural_tag); JSON-Schema keywords a "
-                                          "backend does not enforce are refused",
+    grammar_backend: str = _f("llguidance", "grammar engine: outlines (regex, json_schema), xgrammar and "
+                                            "llguidance (regex, json_schema, ebnf, structural_tag); JSON-Schema "
+                                            "keywords a backend does not enforce are refused (llguidance enforces "
+                                            "the most: bench/constrained.py)",
                               ("outlines", "xgrammar", "llguidance"))
     disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output "
