@@ -27,7 +27,7 @@ from radixlang.constrained import BACKENDS, GrammarCompiler, TokenizerInfo  # no
 from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
+    "name": {"type": "string"},
     "age": {"type": "integer"},
     "email": {"type": "string"},
     "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},

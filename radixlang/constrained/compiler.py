@@ -224,7 +224,8 @@ class GrammarCompiler:
         kind, spec = key
         if self.backend != "outlines":
             schema = self._schema(spec) if kind == "json" and spec is not None else None
-            return self.library().build(kind, spec, schema)
+            # \d is ASCII 0-9 on every backend (llguidance's regex engine reads it as any Unicode digit)
+            return self.library().build(kind, ascii_digits(spec) if kind == "regex" else spec, schema)
         if kind == "regex":
             # \d means ASCII digits, as in xgrammar and in what users of phone/date patterns expect
             regex = ascii_digits(spec)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixlang.constrained.errors import UnsupportedGrammar
+from radixlang.constrained.json_regex import ascii_digits
 
 ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples",
                          "deprecated", "readOnly", "writeOnly", "$anchor"})
@@ -201,7 +202,8 @@ def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -
 
 
 def exact_formats(node: Any) -> Any:
-    """A copy of ``node`` with each date / time / date-time string format spelled as an exact pattern.
+    """A copy of ``node`` with each date / time / date-time string format spelled as an exact pattern
+    and ``\d`` in patterns spelled [0-9].
 
     Left as it is (and so checked against ENFORCED_FORMATS) where the node has its own pattern.
     """
@@ -210,6 +212,8 @@ def exact_formats(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: (v if k in ("enum", "const", "default", "examples") else exact_formats(v)) for k, v in node.items()}
+    if isinstance(out.get("pattern"), str):  # ECMA-262: \d is ASCII 0-9 (Rust regex: any Unicode digit)
+        out["pattern"] = ascii_digits(out["pattern"])
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt in EXACT_FORMAT_PATTERNS and "pattern" not in out:
         del out["format"]
@@ -234,9 +238,28 @@ def one_of_as_any_of(node: Any) -> Any:
     return out
 
 
+def close_objects(node: Any, in_all_of: bool = False) -> Any:
+    """A copy where objects with ``properties`` and no ``additionalProperties`` get it false.
+
+    Every document of the result is valid under the original; it is what outlines-core and
+    xgrammar's strict mode generate, and it keeps llguidance from writing unasked-for keys
+    (allOf branches stay open: closing them could leave no document).
+    """
+    if isinstance(node, list):
+        return [close_objects(x, in_all_of) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in ("enum", "const", "default", "examples") else close_objects(v, k == "allOf"))
+           for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out and not in_all_of \
+            and out.get("type", "object") == "object" and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def prepare_schema(schema: Any, backend: str, param: str = "json_schema") -> Any:
     """Check ``schema`` against the backend's policy and return what the backend is given."""
     if "pattern" in ENFORCED_KEYWORDS.get(backend, ()):
         schema = exact_formats(schema)  # else the format itself is refused
     check_schema(schema, backend, param)
-    return one_of_as_any_of(schema)
+    return one_of_as_any_of(close_objects(schema))
