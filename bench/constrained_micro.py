@@ -69,7 +69,7 @@ def _step_cost(compiled: Any, ids: list[int], info: TokenizerInfo, reps: int) ->
 
 def bench_backend(backend: str, tok: Any, ids: list[int], reps: int) -> dict[str, Any]:
     info = TokenizerInfo.from_tokenizer(tok)
-    compiler = GrammarCompiler(info, backend=backend)
+    compiler = GrammarCompiler(info, backend=backend, timeout_s=600)
     compiler.compile("regex", "warm")  # tokenizer tables (not part of a grammar's compile time)
     row: dict[str, Any] = {}
     for kind, spec in (("json", json.dumps(SCHEMA)), ("ebnf", EBNF)):
