@@ -34,7 +34,8 @@ SCHEMA = {"type": "object", "properties": {
     "active": {"type": "boolean"}},
     "required": ["name", "age", "email", "tags", "active"]}
 # the same documents as a GBNF grammar (xgrammar takes it as is, llguidance converts it to Lark)
-EBNF = r'''root ::= "{\"name\": " str ", \"age\": " int ", \"email\": " str ", \"tags\": [" tags "], \"active\": " bool "}"
+EBNF = (r'root ::= "{\"name\": " str ", \"age\": " int ", \"email\": " str '
+        r'", \"tags\": [" tags "], \"active\": " bool "}"' "\n") + r'''
 str ::= "\"" [^"\\]* "\""
 int ::= "-"? [0-9]+
 tags ::= (str (", " str)*)?

@@ -3,7 +3,6 @@ structural tags."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import llguidance as llg

@@ -202,7 +202,7 @@ def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -
 
 
 def exact_formats(node: Any) -> Any:
-    """A copy of ``node`` with each date / time / date-time string format spelled as an exact pattern
+    r"""A copy of ``node`` with each date / time / date-time string format spelled as an exact pattern
     and ``\d`` in patterns spelled [0-9].
 
     Left as it is (and so checked against ENFORCED_FORMATS) where the node has its own pattern.
