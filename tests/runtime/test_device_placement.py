@@ -1,0 +1,113 @@
+"""Device placement without a GPU: the whole scheduler runs a ``device="cuda"`` engine on the CPU under
+``FakeDeviceMode`` (tests/device_tags.py), which tags every tensor made for the device and raises when
+an op mixes a device tensor with a host one, as CUDA would.
+
+Driven through a prefill, a cached extend, decode, a retraction (a KV pool too small for the batch), a
+sampled request with penalties and a regex-constrained request; the tokens must equal the same run on
+a plain CPU engine, so the mode changes nothing but the tags.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_tags import DeviceMixError, FakeDeviceMode
+
+
+def test_the_mode_catches_a_mix_and_allows_what_cuda_allows():
+    with FakeDeviceMode():
+        dev = torch.zeros(4, 3, device="cuda")
+        host = torch.ones(4, 3)
+        assert dev.device.type == "cuda" and host.device.type == "cpu"
+        assert (dev + 1).device.type == "cuda" and dev[1:].device.type == "cuda"
+        assert torch.zeros(2, device=dev.device).device.type == "cuda"
+        assert dev.cpu().device.type == "cpu" and host.to("cuda").device.type == "cuda"
+        dev.copy_(host)  # a copy across devices is fine
+        dev[0, 0] = torch.tensor(2.0)  # so is a host scalar
+        with pytest.raises(DeviceMixError):
+            dev + host
+        with pytest.raises(DeviceMixError):  # the decode-batch write of a scheduler building rows on the host
+            dev[torch.tensor([0, 1]), torch.tensor([1, 2])] = torch.tensor([5.0, 6.0])
+        with pytest.raises(DeviceMixError):
+            torch.cat([dev.flatten(), host.flatten()])
+
+
+def _drive(scheduler) -> dict[str, list[int]]:
+    from radixlang.runtime.managers.io_struct import TokenizedGenerateReq
+
+    prefix = list(range(200, 260))
+    reqs = [
+        ("greedy", prefix + [5, 6, 7], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}),
+        ("sampled", list(range(300, 340)), {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
+                                            "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                                            "sampling_seed": 3, "max_new_tokens": 20, "ignore_eos": True}),
+        ("regex", list(range(400, 430)), {"temperature": 0, "max_new_tokens": 12, "regex": "[0-9]{3}-[a-z]{2}"}),
+    ]
+    outputs: dict[str, list[int]] = {}
+
+    def run_until_idle() -> None:
+        for _ in range(3000):
+            if scheduler.is_idle():
+                return
+            out = scheduler.step()
+            for rid, ids in zip(out.rids if out else [], out.output_ids if out else []):
+                outputs.setdefault(rid, []).extend(ids)
+        raise AssertionError("the scheduler did not go idle")
+
+    greedy8 = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    for rid, ids in (("warm", prefix + [1]), ("cached", prefix + [9, 9])):  # the second reuses the first's KV
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=greedy8))
+        run_until_idle()
+    for rid, ids, params in reqs:  # together they outgrow the pool while decoding: one is retracted
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
+    run_until_idle()
+    return outputs
+
+
+def _args(tiny_model_dir: str, device: str):
+    from radixlang.runtime.server_args import ServerArgs
+    # 140 KV slots: the three requests of the burst need ~190 at their longest
+    return ServerArgs(model_path=tiny_model_dir, load_format="dummy", device=device, dtype="float32",
+                      attention_backend="torch", max_total_tokens=140, disable_cuda_graph=True,
+                      max_running_requests=8)
+
+
+def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir):
+    from radixlang.runtime.managers.scheduler import Scheduler
+
+    ref_sched = Scheduler(_args(tiny_model_dir, "cpu"))
+    ref = _drive(ref_sched)
+    mode = FakeDeviceMode()
+    with mode:
+        sched = Scheduler(_args(tiny_model_dir, "cuda"))
+        assert sched.runner.req_to_token_pool.req_to_token.device.type == "cuda"
+        assert sched.runner.kv_pool.k_buffer[0].device.type == "cuda"
+        got = _drive(sched)
+        sched.check_memory_leak()
+    assert sched.stats["num_retractions"] > 0
+    assert sched.stats["cached_tokens"] > 0
+    assert mode.num_checked_ops > 1000
+    assert got == ref
+    assert len(got["regex"]) > 0
+
+
+def test_the_tp_step_message_is_built_on_the_host_from_device_tensors(monkeypatch):
+    from radixlang.kernels.attention.base import ForwardMode
+    from radixlang.runtime.model_executor import distributed
+    from radixlang.runtime.model_executor.forward_batch import StepInputs
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(distributed.dist, "broadcast", lambda t, src: sent.append(t.clone()))
+    with FakeDeviceMode():
+        r2t = torch.arange(40, dtype=torch.int32, device="cuda").view(4, 10)
+        inputs = StepInputs(mode=ForwardMode.EXTEND, input_ids=torch.tensor([7, 8, 9]),
+                            positions=torch.tensor([0, 1, 0]), req_pool_indices=torch.tensor([1, 2]),
+                            seq_lens=[2, 1], prefix_lens=[0, 0], extend_lens=[2, 1],
+                            out_cache_loc=r2t[1, :2].to(torch.int64), logit_rows=torch.tensor([1, 2]))
+        comm = distributed.DistComm(0, 2, "cuda")
+        distributed.send_step(comm, inputs, r2t)
+        assert all(t.device.type == "cuda" for t in sent)  # nccl moves device tensors
+    header, payload = sent
+    assert header.tolist() == [distributed.MSG_STEP, int(ForwardMode.EXTEND), 2, 3, 2, 3]
+    # ids, positions, req rows, seq lens, prefix lens, extend lens, out_cache_loc, logit rows, r2t entries
+    assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 10, 11, 1, 2, 10, 11, 20]
