@@ -6,6 +6,8 @@ every result of an op on tagged tensors. An op that mixes a tagged tensor with a
 raises ``DeviceMixError``, as CUDA would. ``.device`` of a tagged tensor reports ``cuda:0``, so
 code that builds tensors ``device=x.device`` gets tagged tensors too. Excepted, as on CUDA:
 0-dim tensors (scalars), ``copy_`` / ``.to`` across devices, and ``.cpu()`` (which untags).
+``num_syncs`` counts the reads of device values on the host (``.tolist()``, ``.item()``, ``.cpu()``...):
+each is a device-to-host sync on a real GPU.
 
 Tags follow the storage, so views and ``nn.Parameter`` wrappers of a tagged tensor stay tagged.
 The mode keeps every tagged tensor alive until it exits, so a freed storage's address is never
@@ -23,6 +25,9 @@ _CROSS_DEVICE_OK = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu, torch
                     torch.Tensor.__format__, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
                     torch.Tensor.__index__, torch.Tensor.__len__, torch.Tensor.data_ptr,
                     torch.Tensor.untyped_storage, torch.Tensor.__reduce_ex__, torch._has_compatible_shallow_copy_type}
+
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+               torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
 
 
 class DeviceMixError(RuntimeError):
@@ -46,6 +51,7 @@ class FakeDeviceMode(TorchFunctionMode):
         self._empties: set[int] = set()  # id() of tagged zero-size tensors
         self._keep: list[torch.Tensor] = []
         self.num_checked_ops = 0
+        self.num_syncs = 0  # reads of a device tensor's values on the host (.tolist(), .item(), .cpu(), ...)
 
     # ---- tags ----
     def is_tagged(self, t: torch.Tensor) -> bool:
@@ -92,6 +98,8 @@ class FakeDeviceMode(TorchFunctionMode):
             if to_cuda:
                 kwargs["device"] = "cpu"
         kwargs.pop("pin_memory", None)
+        if func in _HOST_READS and args and isinstance(args[0], torch.Tensor) and self.is_tagged(args[0]):
+            self.num_syncs += 1
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.cuda:
@@ -110,6 +118,8 @@ class FakeDeviceMode(TorchFunctionMode):
                 new_args.append(a)
             out = func(*new_args, **kwargs)
             dest = dest or ("cuda" if src_tagged else "cpu")
+            if src_tagged and dest == "cpu":
+                self.num_syncs += 1
             if (dest == "cuda") != src_tagged and (out is src or (src.numel() and _same_storage(out, src))):
                 out = out.clone()  # a real move copies
             if dest == "cuda":
