@@ -72,8 +72,20 @@ def _args(tiny_model_dir: str, device: str):
                       max_running_requests=8)
 
 
-def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir):
+def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monkeypatch):
+    from radixlang.kernels import bitmask
     from radixlang.runtime.managers.scheduler import Scheduler
+
+    # the grammar mask takes the device (Triton) path; its kernel cannot launch on the CPU, so the torch
+    # path stands in for it after the device checks the Triton path makes
+    triton_calls = []
+
+    def fake_triton(logits, mask, indices=None):
+        bitmask._check(logits, mask)  # same device, shapes, dtypes
+        triton_calls.append(len(indices))
+        bitmask.apply_token_bitmask_inplace_torch(logits, mask, indices)
+
+    monkeypatch.setattr(bitmask, "apply_token_bitmask_inplace_triton", fake_triton)
 
     ref_sched = Scheduler(_args(tiny_model_dir, "cpu"))
     ref = _drive(ref_sched)
@@ -89,6 +101,7 @@ def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir):
     assert mode.num_checked_ops > 1000
     assert got == ref
     assert len(got["regex"]) > 0
+    assert triton_calls  # the constrained request's mask ran on the device path
 
 
 def test_the_tp_step_message_is_built_on_the_host_from_device_tensors(monkeypatch):

@@ -20,12 +20,12 @@ def apply_grammar_masks(reqs: list[Req], logits: torch.Tensor) -> None:
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
     if not rows:
         return
-    mask = allocate_token_bitmask(len(reqs), logits.shape[-1], logits.device)
+    mask = allocate_token_bitmask(len(reqs), logits.shape[-1])  # filled on the host, then one copy to the device
     for i in rows:
         grammar = reqs[i].grammar
         if grammar is not None:
             grammar.allowed_token_mask(mask[i])
-    apply_token_bitmask_inplace(logits, mask, rows)
+    apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), rows)
 
 
 def advance_grammar(req: Req, tok: int) -> FinishReason | None:
