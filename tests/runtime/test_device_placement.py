@@ -33,7 +33,12 @@ def test_the_mode_catches_a_mix_and_allows_what_cuda_allows():
 
 
 def _drive(scheduler) -> dict[str, list[int]]:
-    from radixlang.runtime.managers.io_struct import TokenizedGenerateReq
+    from radixlang.runtime.managers.io_struct import TokenizedGenerateReq as _Req
+
+    logprobs: dict[str, list] = {}
+
+    def TokenizedGenerateReq(**kw):  # every request also asks for input, output and top logprobs
+        return _Req(**kw, return_logprob=True, logprob_start_len=len(prefix) - 4, top_logprobs_num=3)
 
     prefix = list(range(200, 260))
     reqs = [
@@ -54,6 +59,8 @@ def _drive(scheduler) -> dict[str, list[int]]:
                 outputs.setdefault(rid, []).extend(ids)
         raise AssertionError("the scheduler did not go idle")
 
+    scheduler._finish = _recording(scheduler._finish, logprobs)
+
     greedy8 = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     for rid, ids in (("warm", prefix + [1]), ("cached", prefix + [9, 9])):  # the second reuses the first's KV
         scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=greedy8))
@@ -61,7 +68,15 @@ def _drive(scheduler) -> dict[str, list[int]]:
     for rid, ids, params in reqs:  # together they outgrow the pool while decoding: one is retracted
         scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
     run_until_idle()
-    return outputs
+    assert all(logprobs[r] for r in outputs)
+    return {**outputs, "logprobs": logprobs}
+
+
+def _recording(finish, logprobs: dict):
+    def wrapped(req):
+        logprobs[req.rid] = [round(v, 4) for v, _ in req.input_token_logprobs[1:] + req.output_token_logprobs]
+        return finish(req)
+    return wrapped
 
 
 def _args(tiny_model_dir: str, device: str):
@@ -100,7 +115,7 @@ def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monk
     assert sched.stats["cached_tokens"] > 0
     assert mode.num_checked_ops > 1000
     assert got == ref
-    assert len(got["regex"]) > 0
+    assert len(got["regex"]) > 0 and len(got["logprobs"]["greedy"]) > 24
     assert triton_calls  # the constrained request's mask ran on the device path
 
 
@@ -124,3 +139,14 @@ def test_the_tp_step_message_is_built_on_the_host_from_device_tensors(monkeypatc
     assert header.tolist() == [distributed.MSG_STEP, int(ForwardMode.EXTEND), 2, 3, 2, 3]
     # ids, positions, req rows, seq lens, prefix lens, extend lens, out_cache_loc, logit rows, r2t entries
     assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 10, 11, 1, 2, 10, 11, 20]
+
+
+def test_the_padding_row_is_reserved_for_cuda_graph_padding():
+    from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 16, "cpu")
+    assert pool.req_to_token.shape == (5, 16) and pool.pad_index == 4
+    assert sorted(pool.alloc(4)) == [0, 1, 2, 3] and pool.alloc(1) is None
+    pool.clear()
+    assert pool.available_size() == 4 and pool.pad_index not in pool.alloc(4)
+    assert int(pool.req_to_token[pool.pad_index].abs().sum()) == 0  # it points at the dummy KV slot 0

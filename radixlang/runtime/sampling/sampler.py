@@ -127,7 +127,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int =
                      ) -> tuple[list[float], TopLogprobs | None]:
     """logits [n, vocab], token_ids [n] -> logprob of each token, and the top_k per row."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.gather(logp, 1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    ids = token_ids.to(device=logp.device, dtype=torch.int64).view(-1, 1)  # host targets meet device logits
+    chosen = torch.gather(logp, 1, ids).squeeze(1).tolist()
     if top_k <= 0:
         return chosen, None
     vals, ids = torch.topk(logp, k=min(top_k, logp.shape[-1]), dim=-1)
