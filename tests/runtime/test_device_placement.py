@@ -150,3 +150,36 @@ def test_the_padding_row_is_reserved_for_cuda_graph_padding():
     pool.clear()
     assert pool.available_size() == 4 and pool.pad_index not in pool.alloc(4)
     assert int(pool.req_to_token[pool.pad_index].abs().sum()) == 0  # it points at the dummy KV slot 0
+
+
+def test_the_captured_decode_forward_reads_nothing_back_from_the_device(tiny_model_dir):
+    # what a CUDA graph captures (the runner's decode forward into the shared logits buffer) must not read
+    # device values on the host: a sync inside a capture fails it. The attention kernels are the backends'
+    # (tested on the GPU); here a stand-in writes the KV and returns q, with no host reads of its own.
+    from radixlang.kernels.attention.base import AttentionBackend
+    from radixlang.kernels.cuda_graph import DecodeGraphInputs
+    from radixlang.runtime.model_executor.model_runner import ModelRunner
+
+    class NoSyncAttention(AttentionBackend):
+        def forward_decode(self, q, k, v, layer, fb):
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            return q
+
+    with FakeDeviceMode() as mode:
+        runner = ModelRunner(_args(tiny_model_dir, "cuda").resolve())
+        assert runner.graph_runner is None  # disable_cuda_graph: no capture
+        runner.attn_backend = NoSyncAttention()
+        runner._graph_logits = torch.empty((8, runner.vocab_size), device="cuda")
+        bs = 3
+        ids = torch.tensor([5, 6, 7], device="cuda")
+        inputs = DecodeGraphInputs(input_ids=ids, positions=torch.tensor([4, 9, 2], device="cuda"),
+                                   req_pool_indices=torch.tensor([0, 1, runner.req_to_token_pool.pad_index],
+                                                                 device="cuda"),
+                                   seq_lens=torch.tensor([5, 10, 3], device="cuda"),
+                                   out_cache_loc=torch.tensor([11, 12, 0], device="cuda"), seq_lens_cpu=[5, 10, 3])
+        fb = runner._graph_forward_batch(inputs)
+        before = mode.num_syncs
+        out = runner._graph_model_forward(inputs.input_ids, inputs.positions, fb)
+        assert mode.num_syncs == before
+        assert out.device.type == "cuda" and out.shape == (bs, runner.vocab_size)
+        assert out.untyped_storage().data_ptr() == runner._graph_logits.untyped_storage().data_ptr()
