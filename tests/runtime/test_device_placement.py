@@ -183,3 +183,28 @@ def test_the_captured_decode_forward_reads_nothing_back_from_the_device(tiny_mod
         assert mode.num_syncs == before
         assert out.device.type == "cuda" and out.shape == (bs, runner.vocab_size)
         assert out.untyped_storage().data_ptr() == runner._graph_logits.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype,want", [("auto", "flashinfer"), ("bfloat16", "flashinfer"), ("float16", "flashinfer"),
+                                        ("float32", "triton")])
+def test_cuda_resolves_float32_to_triton_not_flashinfer(monkeypatch, dtype, want):
+    # FlashInfer runs float16 / bfloat16 only: float32 on CUDA must not pick it (it would refuse at start)
+    import sys
+    import types
+
+    from radixlang.runtime.server_args import ServerArgs
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    args = ServerArgs(device="cuda", dtype=dtype).resolve()
+    assert args.attention_backend == want
+    assert args.dtype == ("bfloat16" if dtype == "auto" else dtype)
+
+
+def test_cuda_graph_flags_are_validated_and_read():
+    from radixlang.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        ServerArgs(cuda_graph_max_bs=0)
+    with pytest.raises(ValueError, match="flashinfer_backend"):
+        ServerArgs(flashinfer_backend="fa4")
