@@ -87,7 +87,14 @@ def _args(tiny_model_dir: str, device: str):
                       max_running_requests=8)
 
 
-def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_model_dir) -> dict:
+    """The drive's tokens and logprobs on a plain CPU engine."""
+    from radixlang.runtime.managers.scheduler import Scheduler
+    return _drive(Scheduler(_args(tiny_model_dir, "cpu")))
+
+
+def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monkeypatch, cpu_reference):
     from radixlang.kernels import bitmask
     from radixlang.runtime.managers.scheduler import Scheduler
 
@@ -102,8 +109,7 @@ def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monk
 
     monkeypatch.setattr(bitmask, "apply_token_bitmask_inplace_triton", fake_triton)
 
-    ref_sched = Scheduler(_args(tiny_model_dir, "cpu"))
-    ref = _drive(ref_sched)
+    ref = cpu_reference
     mode = FakeDeviceMode()
     with mode:
         sched = Scheduler(_args(tiny_model_dir, "cuda"))
@@ -208,3 +214,98 @@ def test_cuda_graph_flags_are_validated_and_read():
         ServerArgs(cuda_graph_max_bs=0)
     with pytest.raises(ValueError, match="flashinfer_backend"):
         ServerArgs(flashinfer_backend="fa4")
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: capture records the call, replay runs it again on the same
+    static tensors (what a real replay does with the captured kernels)."""
+
+    recording: _FakeGraph | None = None
+
+    def __init__(self) -> None:
+        self.call = None
+
+    def replay(self) -> None:
+        fn, args = self.call
+        fn(*args)
+
+
+def _emulate_cuda_graphs(monkeypatch):
+    import contextlib
+    import types
+
+    from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+    from radixlang.runtime.model_executor import model_runner
+
+    class GraphTorchBackend(TorchNativeAttnBackend):  # the graph hooks of the triton / flashinfer backends
+        def init_cuda_graph_state(self, max_bs, max_context_len):
+            self.graph_state = (max_bs, max_context_len)
+
+        def init_forward_metadata_cuda_graph(self, fb):
+            self.init_forward_metadata(fb)
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        _FakeGraph.recording = g
+        try:
+            yield
+        finally:
+            _FakeGraph.recording = None
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(cuda, "graph", graph)
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(cuda, "Stream", lambda device=None: stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(model_runner, "_create_attn_backend", lambda name, **kw: GraphTorchBackend(
+        **{k: v for k, v in kw.items() if k != "flashinfer_backend"}))
+    forward = model_runner.ModelRunner._graph_model_forward
+
+    def recorded(self, *args):
+        if _FakeGraph.recording is not None:
+            _FakeGraph.recording.call = (forward, (self, *args))
+        return forward(self, *args)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_graph_model_forward", recorded)
+
+
+def test_decode_replays_padded_cuda_graphs_with_the_eager_tokens(tiny_model_dir, monkeypatch, cpu_reference):
+    # the runner's graph wiring run on the CPU with emulated graphs: capture sizes from --cuda-graph-max-bs,
+    # batches padded to the next size with the reserved row, logits in the one shared buffer, eager above the
+    # largest size and for extends; the tokens equal a plain CPU engine's
+    import dataclasses
+
+    from radixlang.kernels import bitmask
+    from radixlang.kernels.cuda_graph import CudaGraphRunner, default_capture_sizes
+    from radixlang.runtime.managers.scheduler import Scheduler
+
+    ref = cpu_reference
+    _emulate_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(bitmask, "apply_token_bitmask_inplace_triton", bitmask.apply_token_bitmask_inplace_torch)
+    replays: list[tuple[int, int, list[int]]] = []
+    replay = CudaGraphRunner.replay
+
+    def counted(self, input_ids, positions, fb):
+        out = replay(self, input_ids, positions, fb)
+        graph_bs = next(s for s in self.capture_sizes if s >= fb.batch_size)
+        replays.append((fb.batch_size, graph_bs, self.req_pool_indices[fb.batch_size:graph_bs].tolist()))
+        assert out.untyped_storage().data_ptr() == self.outputs[self.max_bs].untyped_storage().data_ptr()
+        return out
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counted)
+    assert default_capture_sizes(160) == [1, 2, 4, 8] + list(range(16, 161, 8))
+    args = dataclasses.replace(_args(tiny_model_dir, "cuda"), disable_cuda_graph=False, cuda_graph_max_bs=4)
+    with FakeDeviceMode():
+        sched = Scheduler(args)
+        runner = sched.runner.graph_runner
+        assert runner is not None and runner.capture_sizes == [1, 2, 4]
+        assert sched.runner.attn_backend.graph_state == (4, sched.runner.req_to_token_pool.max_context_len)
+        got = _drive(sched)
+    assert got == ref
+    assert {(b, g) for b, g, _ in replays} >= {(1, 1), (3, 4)}  # three decoding requests ran in the 4-graph
+    pad = sched.runner.req_to_token_pool.pad_index
+    assert all(rows == [pad] * (g - b) for b, g, rows in replays)  # padded with the reserved row only
