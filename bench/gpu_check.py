@@ -337,6 +337,9 @@ def phase_decode(args) -> dict:
         res["batch1_itl_ms"] = 1000.0 / best[1]
         res["prefill_tflops"] = res["engine"]["prefill_tok_s"] * 2 * weight_bytes / 2 / 1e12
     res["ok"] = True
+    if device == "cuda":  # 16 GB of safetensors: make room on the disk for the next phase's model
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
     return res
 
 

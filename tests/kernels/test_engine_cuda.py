@@ -42,6 +42,13 @@ def test_flashinfer_fa2_and_fa3_match_torch_on_mixed_prefixes(name, fi_backend):
     assert res["max_err"] < 5e-2, res
 
 
+@pytest.fixture(scope="module")
+def cuda_model_dir(tmp_path_factory) -> str:
+    """The tiny random Llama at head_dim 64 (FlashInfer's kernels take 64, 128 or 256; the default tiny model has 16)."""
+    from tiny_model import make_tiny_model_dir
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama_hd64")), hidden=256, heads=4, kv_heads=2)
+
+
 _PREFIX = list(range(100, 180))
 _PROMPTS = [_PREFIX + [7, 8, 9], list(range(300, 333)), _PREFIX + [11], [5, 6]]  # two share an 80-token prefix
 
@@ -53,21 +60,21 @@ def _greedy(engine, prompts=_PROMPTS, max_new_tokens=12):
     return [o["output_ids"] for o in outs], [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs]
 
 
-def _engine(tiny_model_dir, **kw):
+def _engine(model_dir, **kw):
     from radixlang import Engine
-    return Engine(model_path=tiny_model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
+    return Engine(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                   max_total_tokens=4096, **kw)
 
 
 @pytest.mark.parametrize("backend,fi", [("triton", "auto"), ("flashinfer", "fa2"), ("flashinfer", "fa3")])
-def test_engine_backends_match_torch_with_cached_extends(tiny_model_dir, backend, fi):
+def test_engine_backends_match_torch_with_cached_extends(cuda_model_dir, backend, fi):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
         if fi == "fa3" and not _has_sm90():
             pytest.skip("FA3 needs Hopper (sm90)")
-    with _engine(tiny_model_dir, attention_backend="torch", disable_cuda_graph=True) as ref_engine:
+    with _engine(cuda_model_dir, attention_backend="torch", disable_cuda_graph=True) as ref_engine:
         ref_ids, ref_lp = _greedy(ref_engine)
-    with _engine(tiny_model_dir, attention_backend=backend, flashinfer_backend=fi) as engine:
+    with _engine(cuda_model_dir, attention_backend=backend, flashinfer_backend=fi) as engine:
         ids, lp = _greedy(engine)
         assert engine.get_server_info()["cached_tokens"] > 0
     for got, want, lg, lw in zip(ids, ref_ids, lp, ref_lp):
@@ -78,12 +85,12 @@ def test_engine_backends_match_torch_with_cached_extends(tiny_model_dir, backend
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_cuda_graph_decode_equals_eager_through_the_engine(tiny_model_dir, backend):
+def test_cuda_graph_decode_equals_eager_through_the_engine(cuda_model_dir, backend):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    with _engine(tiny_model_dir, attention_backend=backend, disable_cuda_graph=True) as eager:
+    with _engine(cuda_model_dir, attention_backend=backend, disable_cuda_graph=True) as eager:
         ids_e, lp_e = _greedy(eager, max_new_tokens=20)
-    with _engine(tiny_model_dir, attention_backend=backend, cuda_graph_max_bs=16) as graphed:
+    with _engine(cuda_model_dir, attention_backend=backend, cuda_graph_max_bs=16) as graphed:
         runner = graphed.scheduler.runner if hasattr(graphed, "scheduler") else None
         ids_g, lp_g = _greedy(graphed, max_new_tokens=20)
     if runner is not None:
