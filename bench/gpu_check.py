@@ -185,7 +185,8 @@ def _line(name: str, res: dict) -> str:
                            for k, v in res["backends"].items())
         detail += f" (hf bf16 mean {res['hf_bf16_vs_fp32']['mean']:.2e})"
         if "graph_vs_eager" in res:
-            detail += "; graphs==eager " + ", ".join(f"{k}:{v.get('same_tokens')}" for k, v in res["graph_vs_eager"].items())
+            same = res["graph_vs_eager"].items()
+            detail += "; graphs==eager " + ", ".join(f"{k}:{v.get('same_tokens')}" for k, v in same)
     elif name == "decode" and "engine" in res:
         detail = f"engine {res['engine']}; transformers {res['transformers']}; ratios {res.get('ratios')}"
     elif name == "throughput" and "output_tok_s" in res:

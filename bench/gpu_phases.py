@@ -274,8 +274,10 @@ def phase_decode(args) -> dict:
     emb = hf.get_input_embeddings().weight
     read_bytes = weight_bytes - (emb.numel() * emb.element_size() if not hf.config.tie_word_embeddings else 0)
     bw = _copy_bandwidth(device)
-    res: dict[str, Any] = {"weight_bytes": weight_bytes, "bytes_read_per_step": read_bytes, "copy_bandwidth_GBps": bw / 1e9,
-                           "floor_tok_s_batch1": bw / read_bytes,  # one read of the weights per step (bw counts bytes moved)
+    res: dict[str, Any] = {"weight_bytes": weight_bytes, "bytes_read_per_step": read_bytes,
+                           "copy_bandwidth_GBps": bw / 1e9,
+                           # one read of the weights per step (bw counts the bytes a copy moves)
+                           "floor_tok_s_batch1": bw / read_bytes,
                            "transformers": {}, "engine": {}}
     for bs in batches:
         try:

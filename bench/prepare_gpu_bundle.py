@@ -8,7 +8,8 @@ the folder (at most 64 MiB):
   Python dependencies); ``gpu_check.sh`` installs them with ``pip install --no-index --find-links``.
 * ``flashinfer_site.zip``: a trimmed copy of the flashinfer-python wheel: its Python files and the sources its
   JIT compiles (``data/include``, ``data/csrc`` top-level files, the ``cutlass``, ``cccl`` and ``spdlog``
-  headers), deflated; gpu_check.sh unpacks it into a folder on PYTHONPATH. FlashInfer's JIT needs nvcc (a CUDA toolkit) on the GPU machine: its wheel does not fit here.
+  headers), deflated; gpu_check.sh unpacks it into a folder on PYTHONPATH. FlashInfer's JIT needs nvcc (a CUDA
+  toolkit) on the GPU machine: its wheel does not fit here.
 * ``models/llama3_8b_4l`` and ``models/llama3_8b_32l``: ``config.json`` of the Llama-3-8B shape (4 and 32
   layers) and ``models/llama2_7b_32l`` (the Llama-2-7B shape of the published throughput comparisons), each
   with the embedded SmolLM2 tokenizer (49,152 tokens, within both vocabularies). The weights do not fit
@@ -37,7 +38,8 @@ PACKAGES = ["pyzmq==27.3.0", "fastapi==0.165.0", "uvicorn==0.55.0", "outlines-co
             "nvidia-ml-py", "einops", "tabulate", "ninja", "click", "requests"]
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64"]
 # kept from the flashinfer wheel: every .py outside the dropped trees, and these data trees for the JIT
-KEEP_DATA = ("flashinfer/data/include/", "flashinfer/data/cutlass/include/", "flashinfer/data/cutlass/tools/util/include/",
+KEEP_DATA = ("flashinfer/data/include/", "flashinfer/data/cutlass/include/",
+             "flashinfer/data/cutlass/tools/util/include/",
              "flashinfer/data/cccl/", "flashinfer/data/spdlog/include/")
 DROP = ("*/__pycache__/*",
         "flashinfer/data/cccl/*/test/*", "flashinfer/data/cccl/*/examples/*", "flashinfer/data/cccl/docs/*",
@@ -125,7 +127,8 @@ def folder_bytes(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_bundle")
-    ap.add_argument("--flashinfer-wheel", default=None, help="a downloaded flashinfer-python wheel (else pip downloads it)")
+    ap.add_argument("--flashinfer-wheel", default=None,
+                    help="a downloaded flashinfer-python wheel (else pip downloads it)")
     ap.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "radixlang", "gpu_bundle_work"))
     args = ap.parse_args(argv)
     from radixlang.runtime.models.loader import resolve_model_dir

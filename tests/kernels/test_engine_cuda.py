@@ -44,7 +44,7 @@ def test_flashinfer_fa2_and_fa3_match_torch_on_mixed_prefixes(name, fi_backend):
 
 @pytest.fixture(scope="module")
 def cuda_model_dir(tmp_path_factory) -> str:
-    """The tiny random Llama at head_dim 64 (FlashInfer's kernels take 64, 128 or 256; the default tiny model has 16)."""
+    """The tiny random Llama at head_dim 64 (FlashInfer's kernels take 64, 128 or 256; the default one has 16)."""
     from tiny_model import make_tiny_model_dir
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama_hd64")), hidden=256, heads=4, kv_heads=2)
 

@@ -163,4 +163,5 @@ def build_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch
         prefix_kv_indices=gather_kv_indices(req_to_token, req_pool_indices, prefix, page_size),
         seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
         **{f"{k}_cpu": v for k, v in host.items()},
-        seq_lens_cpu_i32=torch.tensor(seq, dtype=torch.int32), prefix_lens_cpu_i32=torch.tensor(prefix, dtype=torch.int32))
+        seq_lens_cpu_i32=torch.tensor(seq, dtype=torch.int32),
+        prefix_lens_cpu_i32=torch.tensor(prefix, dtype=torch.int32))

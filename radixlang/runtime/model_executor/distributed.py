@@ -82,7 +82,8 @@ def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) ->
                          torch.tensor(inputs.prefix_lens, dtype=torch.int64),
                          torch.tensor(inputs.extend_lens, dtype=torch.int64),
                          inputs.out_cache_loc.to(device="cpu", dtype=torch.int64),
-                         inputs.logit_rows.to(device="cpu", dtype=torch.int64), r2t.to(device="cpu", dtype=torch.int64)])
+                         inputs.logit_rows.to(device="cpu", dtype=torch.int64),
+                         r2t.to(device="cpu", dtype=torch.int64)])
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=comm.comm_device), src=0)
     dist.broadcast(payload.to(comm.comm_device), src=0)
 
