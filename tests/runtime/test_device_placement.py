@@ -38,7 +38,8 @@ def _drive(scheduler) -> dict[str, list[int]]:
     logprobs: dict[str, list] = {}
 
     def TokenizedGenerateReq(**kw):  # every request also asks for input, output and top logprobs
-        return _Req(**kw, return_logprob=True, logprob_start_len=len(prefix) - 4, top_logprobs_num=3)
+        start = min(len(prefix), len(kw["input_ids"])) - 4
+        return _Req(**kw, return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
 
     prefix = list(range(200, 260))
     reqs = [
