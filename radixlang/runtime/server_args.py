@@ -77,8 +77,11 @@ class ServerArgs:
                                           "norms, rotary, SwiGLU; paged decode attention)")
     disable_weight_packing: bool = _f(False, "keep plain float weights on the CPU instead of packing the linears "
                                              "into oneDNN's blocked layout (packed is ~1.5-2x faster)")
-    disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA")
-    cuda_graph_max_bs: int = _f(160, "largest decode batch captured as a CUDA graph")
+    flashinfer_backend: str = _f("auto", "FlashInfer's prefill kernels (auto: fa3 on Hopper, fa2 elsewhere)",
+                                 ("auto", "fa2", "fa3"))
+    disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA (graphs are captured at start for batch "
+                                         "sizes 1, 2, 4, 8 and multiples of 8 up to cuda_graph_max_bs)")
+    cuda_graph_max_bs: int = _f(160, "largest decode batch captured as a CUDA graph; larger ones run eagerly")
     # server
     host: str = _f("127.0.0.1", "HTTP bind address")
     port: int = _f(30000, "HTTP port")
@@ -108,7 +111,8 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size"):
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size", "dp_size",
+                     "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size != 1:
@@ -151,8 +155,9 @@ class ServerArgs:
             if (device == "cpu" and self.quantization is None and self.tp_size == 1
                     and self.load_format in ("auto", "gguf") and _quantized_gguf(self.model_path, self.load_format)):
                 changes["quantization"] = "gguf"
+        dtype = changes.get("dtype", self.dtype)
         if self.attention_backend == "auto":
-            changes["attention_backend"] = _pick_attention_backend(device, self.disable_cpu_kernels)
+            changes["attention_backend"] = _pick_attention_backend(device, self.disable_cpu_kernels, dtype)
         if self.num_threads is None and device == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             # every process of the node shares its cores: each dp replica's tensor-parallel ranks on this node
@@ -202,18 +207,20 @@ def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
         return False
 
 
-def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False) -> str:
+def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False, dtype: str = "bfloat16") -> str:
+
     if device != "cuda":
         if device == "cpu" and not disable_cpu_kernels:
             from radixlang.kernels import cpu as cpu_ops
             if cpu_ops.available():
                 return "cpu"
         return "torch"
-    try:
-        import flashinfer  # noqa: F401
-        return "flashinfer"
-    except ImportError:
-        pass
+    if dtype != "float32":  # FlashInfer runs float16 / bfloat16 only; triton and torch run float32 too
+        try:
+            import flashinfer  # noqa: F401
+            return "flashinfer"
+        except ImportError:
+            pass
     try:
         import triton  # noqa: F401
         return "triton"

@@ -51,21 +51,27 @@ def test_flashinfer_plan_args_follow_metadata():
     args = flashinfer_plan_args(md, num_heads=8, num_kv_heads=2, head_dim=64, page_size=1)
     paged = args["paged_prefix"]
     assert list(paged) == ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
-                           "num_qo_heads", "num_kv_heads", "head_dim", "page_size"]
+                           "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size", "seq_lens"]
     assert paged["qo_indptr"].tolist() == [0, 5, 11]
     assert paged["paged_kv_indptr"].tolist() == [0, 4, 4]
     assert paged["paged_kv_indices"].tolist() == [30, 31, 32, 33]
-    assert paged["paged_kv_last_page_len"].tolist() == [1, 1]
-    assert (paged["num_qo_heads"], paged["num_kv_heads"], paged["head_dim"], paged["page_size"]) == (8, 2, 64, 1)
+    assert paged["paged_kv_last_page_len"].tolist() == [1, 0]  # the second request has no prefix: 0 tokens
+    assert paged["seq_lens"].tolist() == [4, 0]
+    assert (paged["num_qo_heads"], paged["num_kv_heads"], paged["head_dim_qk"], paged["page_size"]) == (8, 2, 64, 1)
     ragged = args["ragged"]
-    assert list(ragged) == ["qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim"]
+    assert list(ragged) == ["qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim_qk"]
     assert ragged["qo_indptr"].tolist() == ragged["kv_indptr"].tolist() == [0, 5, 11]
     decode = args["decode"]
     assert list(decode) == ["indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
-                            "page_size"]
+                            "page_size", "seq_lens"]
+    assert decode["seq_lens"].tolist() == [9, 6]
     assert decode["indptr"].tolist() == [0, 9, 15]
     assert decode["indices"].tolist() == list(range(30, 39)) + list(range(50, 56))
     assert all(t.dtype == torch.int32 for t in (*paged.values(),) if isinstance(t, torch.Tensor))
+    # the planner reads indptrs and lengths on the host: they are passed as host tensors (no device sync)
+    for wrapper in (paged, ragged, decode):
+        assert all(t.device.type == "cpu" for k, t in wrapper.items()
+                   if isinstance(t, torch.Tensor) and "indices" not in k)
 
 
 def test_flashinfer_plan_args_skip_prefix_when_none_cached():

@@ -7,8 +7,9 @@ tensors) and to the cached prefix through ``BatchPrefillWithPagedKVCacheWrapper`
 results are combined with ``flashinfer.merge_state``. A step where no request
 has a prefix runs only the ragged kernel. DECODE: ``BatchDecodeWithPagedKVCacheWrapper``.
 
-Every wrapper is planned once per step in ``init_forward_metadata`` and run by
-every layer; all wrappers share one float workspace buffer. The KV pool is
+Every wrapper is planned once per step in ``init_forward_metadata`` from the
+metadata's host-side indptrs (no device-to-host sync) and run by every layer; all
+wrappers, the CUDA-graph decode ones included, share one float workspace buffer. The KV pool is
 token-granular, i.e. pages of one token in FlashInfer's NHD layout:
 ``[size + 1, num_kv_heads, head_dim]`` viewed as ``[size + 1, 1, num_kv_heads, head_dim]``.
 """
@@ -32,39 +33,60 @@ def import_flashinfer():
     return flashinfer
 
 
+FLASHINFER_BACKENDS = ("auto", "fa2", "fa3")
+
+
+def pick_flashinfer_backend(name: str, device: torch.device) -> str:
+    """"auto": fa3 on Hopper (sm90), fa2 elsewhere; the choice is explicit so both can be tested."""
+    if name not in FLASHINFER_BACKENDS:
+        raise ValueError(f"flashinfer backend must be one of {', '.join(FLASHINFER_BACKENDS)}, got {name!r}")
+    if name != "auto":
+        return name
+    major, _ = torch.cuda.get_device_capability(device)
+    return "fa3" if major == 9 else "fa2"
+
+
 def flashinfer_plan_args(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
                          page_size: int) -> dict:
-    """Positional plan() arguments of each FlashInfer wrapper, in FlashInfer's parameter order.
+    """Keyword plan() arguments of each FlashInfer wrapper (flashinfer-python 0.7's parameter names).
 
-    Keys: "decode" (BatchDecodeWithPagedKVCacheWrapper.plan: indptr, indices,
-    last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size), "ragged"
-    (BatchPrefillWithRaggedKVCacheWrapper.plan: qo_indptr, kv_indptr, num_qo_heads,
-    num_kv_heads, head_dim; the new tokens' kv rows coincide with their q rows)
-    and "paged_prefix" (BatchPrefillWithPagedKVCacheWrapper.plan: qo_indptr,
-    paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-    num_kv_heads, head_dim, page_size; None when no request has a cached prefix).
+    Keys: "decode" (BatchDecodeWithPagedKVCacheWrapper.plan), "ragged"
+    (BatchPrefillWithRaggedKVCacheWrapper.plan; the new tokens' kv rows coincide with their q rows)
+    and "paged_prefix" (BatchPrefillWithPagedKVCacheWrapper.plan; None when no request has a cached
+    prefix). Indptrs, last-page lengths and ``seq_lens`` are the metadata's host copies: the planner
+    reads them on the host, so no device-to-host copy happens; only the page indices are on the device.
+    ``seq_lens`` (the true KV length of every request, 0 for an empty prefix) makes the planner's
+    lengths exact whatever it would derive from the pages.
     """
     if metadata.page_size != page_size:
         raise ValueError(f"metadata was built for page_size {metadata.page_size}, got page_size {page_size}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads must be a positive multiple of num_kv_heads, got {num_heads} and {num_kv_heads}")
-    heads = {"num_qo_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    heads = {"num_qo_heads": num_heads, "num_kv_heads": num_kv_heads}
     has_prefix = any(n > 0 for n in metadata.extend_prefix_lens_cpu)
     return {
-        "decode": {"indptr": metadata.kv_indptr, "indices": metadata.kv_indices,
-                   "last_page_len": metadata.kv_last_page_len, **heads, "page_size": page_size},
-        "ragged": {"qo_indptr": metadata.qo_indptr, "kv_indptr": metadata.qo_indptr, **heads},
+        "decode": {"indptr": metadata.kv_indptr_cpu, "indices": metadata.kv_indices,
+                   "last_page_len": metadata.kv_last_page_len_cpu, **heads, "head_dim": head_dim,
+                   "page_size": page_size, "seq_lens": metadata.seq_lens_cpu_i32},
+        "ragged": {"qo_indptr": metadata.qo_indptr_cpu, "kv_indptr": metadata.qo_indptr_cpu, **heads,
+                   "head_dim_qk": head_dim},
         "paged_prefix": None if not has_prefix else {
-            "qo_indptr": metadata.qo_indptr, "paged_kv_indptr": metadata.prefix_kv_indptr,
+            "qo_indptr": metadata.qo_indptr_cpu, "paged_kv_indptr": metadata.prefix_kv_indptr_cpu,
             "paged_kv_indices": metadata.prefix_kv_indices,
-            "paged_kv_last_page_len": metadata.prefix_kv_last_page_len, **heads, "page_size": page_size},
+            "paged_kv_last_page_len": metadata.prefix_kv_last_page_len_cpu, **heads, "head_dim_qk": head_dim,
+            "page_size": page_size, "seq_lens": metadata.prefix_lens_cpu_i32},
     }
 
 
 class FlashInferAttnBackend(AttentionBackend):
+    """``flashinfer_backend`` picks the prefill kernels ("fa2", "fa3", or "auto": fa3 on sm90); decode runs
+    fa2's kernels. One workspace buffer is shared by every wrapper, eager and CUDA-graph ones alike:
+    a step plans and runs only one decode wrapper, and extend steps are never captured."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16, *,
-                 workspace_bytes: int = 128 << 20, sm_scale: float | None = None, **_: object) -> None:
+                 workspace_bytes: int = 128 << 20, sm_scale: float | None = None, flashinfer_backend: str = "auto",
+                 **_: object) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the flashinfer backend runs float16 or bfloat16, got {dtype}")
         if num_heads % num_kv_heads:
@@ -74,12 +96,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = torch.device(device)
         self.dtype = dtype
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+        self.prefill_backend = pick_flashinfer_backend(flashinfer_backend, self.device)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._use_tensor_cores = num_heads // num_kv_heads >= 4
         fi = self.flashinfer
-        self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
-        self.paged_prefix = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+        self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
+        self.paged_prefix = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                   backend=self.prefill_backend)
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2",
                                                             use_tensor_cores=self._use_tensor_cores)
         self._decode_wrapper = self.decode  # the eager one, or a CUDA-graph one per batch size
         self._graph_wrappers: dict[int, object] = {}
@@ -92,7 +116,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper: object, md: AttentionMetadata) -> None:
         args = flashinfer_plan_args(md, self.num_heads, self.num_kv_heads, self.head_dim, _PAGE_SIZE)["decode"]
-        wrapper.plan(*args.values(), **self._dtypes())
+        wrapper.plan(**args, **self._dtypes())
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         is_decode = forward_batch.forward_mode.is_decode()
@@ -106,10 +130,10 @@ class FlashInferAttnBackend(AttentionBackend):
             self._plan_decode(self.decode, md)
             return
         args = flashinfer_plan_args(md, self.num_heads, self.num_kv_heads, self.head_dim, _PAGE_SIZE)
-        self.ragged.plan(*args["ragged"].values(), causal=True, **self._dtypes())
+        self.ragged.plan(**args["ragged"], causal=True, **self._dtypes())
         self._extend_has_prefix = args["paged_prefix"] is not None
         if self._extend_has_prefix:
-            self.paged_prefix.plan(*args["paged_prefix"].values(), causal=False, **self._dtypes())
+            self.paged_prefix.plan(**args["paged_prefix"], causal=False, **self._dtypes())
 
     # ---- CUDA graph support (decode only) ----
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -120,15 +144,18 @@ class FlashInferAttnBackend(AttentionBackend):
         }
 
     def init_forward_metadata_cuda_graph(self, forward_batch: ForwardBatchLike) -> None:
-        """Plan the CUDA-graph decode wrapper of this batch size (one per size, sharing the workspace)."""
-        assert self._graph_buffers is not None, "call init_cuda_graph_state first"
-        assert forward_batch.forward_mode.is_decode(), "only decode is captured"
+        """Plan the CUDA-graph decode wrapper of this batch size (one per size, all on the shared workspace
+        and static index buffers; plan() copies the step's indices into them, so replays read new ones)."""
+        if self._graph_buffers is None:
+            raise RuntimeError("call init_cuda_graph_state before init_forward_metadata_cuda_graph")
+        if not forward_batch.forward_mode.is_decode():
+            raise ValueError("only decode steps are captured as CUDA graphs")
         bs = forward_batch.batch_size
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             buf = self._graph_buffers
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores, backend="fa2",
                 paged_kv_indptr_buffer=buf["indptr"][:bs + 1], paged_kv_indices_buffer=buf["indices"],
                 paged_kv_last_page_len_buffer=buf["last_page_len"][:bs])
             self._graph_wrappers[bs] = wrapper

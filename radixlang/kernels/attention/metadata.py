@@ -12,8 +12,15 @@ in the pool before this step: the "ragged new tokens + paged prefix" split,
 where the new tokens' k/v are read straight from the step's k/v tensors and
 the prefix through the pool.
 
-Every tensor is int32 on the device of ``req_to_token``; the ``*_cpu`` lists are
-host copies so that planning never syncs with the device.
+The indptrs and last-page lengths are built on the host from the host-side lengths and kept
+there too (``*_cpu``, int32): FlashInfer's planner reads them on the host, so passing the host
+copies removes a device-to-host sync per wrapper and step. Their device copies (one host-to-device
+copy each) and the gathered ``kv_indices`` are int32 on the device of ``req_to_token``.
+
+An empty request (a request without a cached prefix, in the ``prefix_*`` variant) has 0 pages
+and a last-page length of 0: FlashInfer's planner derives the KV length as
+``max(num_pages - 1, 0) * page_size + last_page_len``, so any other value would plan a KV length
+of 1 for it (and its FA3 kernels trust the plan).
 """
 from __future__ import annotations
 
@@ -36,6 +43,14 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
+    # host copies, int32 (what FlashInfer's plan() reads)
+    qo_indptr_cpu: torch.Tensor  # [bs + 1]
+    kv_indptr_cpu: torch.Tensor  # [bs + 1]
+    kv_last_page_len_cpu: torch.Tensor  # [bs]
+    prefix_kv_indptr_cpu: torch.Tensor  # [bs + 1]
+    prefix_kv_last_page_len_cpu: torch.Tensor  # [bs]
+    seq_lens_cpu_i32: torch.Tensor  # [bs] KV length of each request after this step
+    prefix_lens_cpu_i32: torch.Tensor  # [bs] KV length of each request's cached prefix
 
     @property
     def max_seq_len(self) -> int:
@@ -58,22 +73,22 @@ def _as_list(x: torch.Tensor | list[int], name: str) -> list[int]:
     return [int(v) for v in x]
 
 
-def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+def _indptr(lens: list[int]) -> torch.Tensor:
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    return torch.tensor(out, dtype=torch.int32)  # host
 
 
 def _num_pages(length: int, page_size: int) -> int:
     return (length + page_size - 1) // page_size
 
 
-def _last_page_len(lens: list[int], page_size: int, device: torch.device) -> torch.Tensor:
-    # 1 <= last <= page_size; an empty request (0 pages) gets page_size so that FlashInfer's
-    # kv_len = (num_pages - 1) * page_size + last_page_len is 0 for it too
-    last = [page_size if n == 0 else n - (_num_pages(n, page_size) - 1) * page_size for n in lens]
-    return torch.tensor(last, dtype=torch.int32, device=device)
+def _last_page_len(lens: list[int], page_size: int) -> torch.Tensor:
+    # 1 <= last <= page_size for a non-empty request; 0 for an empty one (0 pages), so that FlashInfer's
+    # host-side kv_len = max(num_pages - 1, 0) * page_size + last_page_len is 0 for it
+    last = [0 if n == 0 else n - (_num_pages(n, page_size) - 1) * page_size for n in lens]
+    return torch.tensor(last, dtype=torch.int32)  # host
 
 
 def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: list[int],
@@ -137,13 +152,16 @@ def build_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch
     if seq and max(seq) > req_to_token.shape[1]:
         raise ValueError(f"seq_len {max(seq)} exceeds req_to_token's max_context_len {req_to_token.shape[1]}")
     device = req_to_token.device
+    host = {"qo_indptr": _indptr(ext), "kv_indptr": _indptr([_num_pages(s, page_size) for s in seq]),
+            "kv_last_page_len": _last_page_len(seq, page_size),
+            "prefix_kv_indptr": _indptr([_num_pages(p, page_size) for p in prefix]),
+            "prefix_kv_last_page_len": _last_page_len(prefix, page_size)}
+    on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # host-to-device only
     return AttentionMetadata(
-        batch_size=bs, page_size=page_size,
-        qo_indptr=_indptr(ext, device),
-        kv_indptr=_indptr([_num_pages(s, page_size) for s in seq], device),
+        batch_size=bs, page_size=page_size, **on_device,
         kv_indices=gather_kv_indices(req_to_token, req_pool_indices, seq, page_size),
-        kv_last_page_len=_last_page_len(seq, page_size, device),
-        prefix_kv_indptr=_indptr([_num_pages(p, page_size) for p in prefix], device),
         prefix_kv_indices=gather_kv_indices(req_to_token, req_pool_indices, prefix, page_size),
-        prefix_kv_last_page_len=_last_page_len(prefix, page_size, device),
-        seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext)
+        seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
+        **{f"{k}_cpu": v for k, v in host.items()},
+        seq_lens_cpu_i32=torch.tensor(seq, dtype=torch.int32),
+        prefix_lens_cpu_i32=torch.tensor(prefix, dtype=torch.int32))

@@ -87,8 +87,10 @@ class TritonAttnBackend(AttentionBackend):
 
         The split count is fixed at max_kv_splits so the grid never changes.
         """
-        assert self._graph is not None, "call init_cuda_graph_state first"
-        assert forward_batch.forward_mode.is_decode(), "only decode is captured"
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state before init_forward_metadata_cuda_graph")
+        if not forward_batch.forward_mode.is_decode():
+            raise ValueError("only decode steps are captured as CUDA graphs")
         md = build_attention_metadata(forward_batch.req_to_token, forward_batch.req_pool_indices,
                                       forward_batch.seq_lens_cpu)
         bs, total = md.batch_size, md.kv_indices.shape[0]

@@ -84,9 +84,10 @@ class KVSlots:
         if loc is None:
             raise RuntimeError(f"no {sum(extend_lens)} KV slots for the decode batch after retraction "
                                f"({self.kv_pool.available_size()} free)")
-        rows = torch.tensor([r.req_pool_idx for r, e in zip(reqs, extend_lens) for _ in range(e)])
-        cols = torch.tensor([p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)])
-        self.req_to_token_pool.req_to_token[rows, cols] = loc.to(torch.int32)
+        r2t = self.req_to_token_pool.req_to_token  # on the device: the indexed write's tensors go there too
+        rows = torch.tensor([r.req_pool_idx for r, e in zip(reqs, extend_lens) for _ in range(e)], device=r2t.device)
+        cols = torch.tensor([p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)], device=r2t.device)
+        r2t[rows, cols] = loc.to(device=r2t.device, dtype=torch.int32)
         for r, e in zip(reqs, extend_lens):
             r.kv_len += e
         return loc

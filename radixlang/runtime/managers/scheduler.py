@@ -300,6 +300,7 @@ class Scheduler:
             next_ids = None
         else:
             next_ids = sample(logits, self._sampling_info(reqs), self.generator)
+            next_ids_cpu = next_ids.tolist()  # the one device-to-host read of a step's sampled tokens
         now = time.monotonic()
         for i, req in enumerate(reqs):
             if req.finished:
@@ -310,7 +311,7 @@ class Scheduler:
             self.metrics.observe_token(req, now)
             if req.return_logprob:
                 self._record_output_logprob(req, raw[i:i + 1], next_ids[i:i + 1])
-            self._append_token(req, int(next_ids[i]))
+            self._append_token(req, next_ids_cpu[i])
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 

@@ -10,11 +10,15 @@ import torch
 
 
 class ReqToTokenPool:
+    """``size`` request rows to hand out, plus one reserved padding row (``pad_index``, the last) that is
+    never handed out: CUDA-graph padding requests read it (all zeros: the dummy KV slot 0)."""
+
     def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        # [size, max_context_len] int32: KV slot of each token of each running request
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.pad_index = size
+        # [size + 1, max_context_len] int32: KV slot of each token of each running request; row size pads
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         self._free_slots = list(range(size))
 
     def available_size(self) -> int:

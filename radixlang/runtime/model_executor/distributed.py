@@ -71,6 +71,7 @@ def free_port() -> int:
 def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) -> None:
     """Rank 0: broadcast one forward's inputs and the req_to_token entries the batch reads."""
     seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.int64)
+    # the payload is built on the host (out_cache_loc and req_to_token may be on the device) and moved once
     # the KV slots of every token of every request in the batch, up to its length after this step: whole
     # rows, not just the new slots, because rank 0 rewrites rows between steps (a radix-cache insert points
     # a running request at the tree's copy of its prefix and frees its duplicate slots for reuse)
@@ -80,8 +81,9 @@ def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) ->
     payload = torch.cat([inputs.input_ids, inputs.positions, inputs.req_pool_indices, seq_lens,
                          torch.tensor(inputs.prefix_lens, dtype=torch.int64),
                          torch.tensor(inputs.extend_lens, dtype=torch.int64),
-                         inputs.out_cache_loc.to(torch.int64), inputs.logit_rows.to(torch.int64),
-                         r2t.to(torch.int64).cpu()])
+                         inputs.out_cache_loc.to(device="cpu", dtype=torch.int64),
+                         inputs.logit_rows.to(device="cpu", dtype=torch.int64),
+                         r2t.to(device="cpu", dtype=torch.int64)])
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=comm.comm_device), src=0)
     dist.broadcast(payload.to(comm.comm_device), src=0)
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
+from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
+from radixlang.kernels.cuda_graph import CudaGraphRunner, DecodeGraphInputs, GraphAttnBackend
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
@@ -29,9 +32,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _create_attn_backend(name: str, **kw):
+def _create_attn_backend(name: str, *, flashinfer_backend: str = "auto", **kw):
     if name == "torch":
         return TorchNativeAttnBackend(**kw)
+    if name == "flashinfer":
+        kw["flashinfer_backend"] = flashinfer_backend
     try:
         from radixlang.kernels.attention import create_attention_backend
     except ImportError as e:
@@ -54,8 +59,10 @@ class ModelRunner:
             self.tp_leader = TPLeader.start(args, follower_main)
         self.tp = tp if self.tp_leader is None else self.tp_leader.comm
         self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
+        self.graph_runner: CudaGraphRunner | None = None
         try:
             self._build(args)
+            self.graph_runner = self._init_cuda_graphs(args)
         except BaseException:
             if self.tp_leader is not None:
                 self.tp_leader.abort()
@@ -90,7 +97,8 @@ class ModelRunner:
                                      layer_shapes=self.model.kv_layer_shapes())
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
-                                                 head_dim=self.model.head_dim, device=self.device, dtype=self.dtype)
+                                                 head_dim=self.model.head_dim, device=self.device, dtype=self.dtype,
+                                                 flashinfer_backend=args.flashinfer_backend)
         check_backend_features(self.model, self.attn_backend, args.attention_backend)
         logger.info("model %s: %d layers, kv pool %d tokens (%.1f MiB, %d bytes per token), context %d, "
                     "attention %s%s", self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens,
@@ -107,8 +115,50 @@ class ModelRunner:
         tokens = int(free * self.args.mem_fraction_static) // per_token
         return max(256, min(tokens, 1 << 20))
 
+    # ---- CUDA graphs (decode) ----
+    def _init_cuda_graphs(self, args: ServerArgs) -> CudaGraphRunner | None:
+        """Capture decode at batch sizes 1, 2, 4, 8, 16, 24, ... up to ``cuda_graph_max_bs``; None when decode
+        runs eagerly (the CPU, --disable-cuda-graph, tensor parallelism, a backend without graph support)."""
+        if self.device != "cuda" or args.disable_cuda_graph:
+            return None
+        if self.tp is not None:  # graphs with nccl all-reduces inside are not tested yet
+            logger.info("tensor parallelism: decode runs eagerly (no CUDA graphs)")
+            return None
+        if not isinstance(self.attn_backend, GraphAttnBackend):
+            logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly", args.attention_backend)
+            return None
+        max_bs = min(args.cuda_graph_max_bs, self.max_running)
+        # one logits buffer for every captured size: [max_bs, vocab] float32 on the device
+        self._graph_logits = torch.empty((max_bs, self.vocab_size), dtype=torch.float32, device=self.device)
+        runner = CudaGraphRunner(self._graph_model_forward, self._graph_forward_batch, self.attn_backend,
+                                 max_bs=max_bs, max_context_len=self.req_to_token_pool.max_context_len,
+                                 device=self.device, pad_slot=0, pad_req_index=self.req_to_token_pool.pad_index)
+        start = time.perf_counter()
+        runner.capture()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(runner.capture_sizes),
+                    runner.capture_sizes, time.perf_counter() - start)
+        return runner
+
+    def _graph_model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                             fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, fb, None)
+        out = self._graph_logits[:fb.batch_size]  # [bs, vocab] float32, a view of the shared buffer
+        out.copy_(self.model.compute_logits(hidden))
+        return out
+
+    def _graph_forward_batch(self, inputs: DecodeGraphInputs) -> ForwardBatch:
+        bs = len(inputs.seq_lens_cpu)
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=inputs.input_ids, positions=inputs.positions,
+            req_pool_indices=inputs.req_pool_indices, seq_lens=inputs.seq_lens, seq_lens_cpu=inputs.seq_lens_cpu,
+            extend_prefix_lens_cpu=[n - 1 for n in inputs.seq_lens_cpu], extend_seq_lens_cpu=[1] * bs,
+            out_cache_loc=inputs.out_cache_loc, req_to_token=self.req_to_token_pool.req_to_token,
+            token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+
+    # ---- steps ----
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Run one forward pass; return logits [len(inputs.logit_rows), vocab] float32 on the host."""
+        """Run one forward pass; return logits [len(inputs.logit_rows), vocab] float32 on the runner's device
+        (sampling runs there; only the sampled ids come back to the host)."""
         if self.tp_leader is None:
             return self.run_step(inputs)
         with self._tp_lock:
@@ -116,22 +166,29 @@ class ModelRunner:
             return self.run_step(inputs)
 
     def run_step(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the host."""
+        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the device.
+
+        A decode batch of at most ``cuda_graph_max_bs`` requests replays a captured graph; its logits are
+        a view of the shared graph buffer, valid until the next step.
+        """
         dev = self.device
         fb = ForwardBatch(
             forward_mode=inputs.mode, batch_size=len(inputs.seq_lens), input_ids=inputs.input_ids.to(dev),
             positions=inputs.positions.to(dev), req_pool_indices=inputs.req_pool_indices.to(dev),
-            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=inputs.seq_lens,
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int64).to(dev), seq_lens_cpu=inputs.seq_lens,
             extend_prefix_lens_cpu=inputs.prefix_lens, extend_seq_lens_cpu=inputs.extend_lens,
             out_cache_loc=inputs.out_cache_loc.to(dev), req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
-        self.attn_backend.init_forward_metadata(fb)
         rows = inputs.logit_rows
         # a decode step (or a prompt with every token's logprobs) wants every row: no gather then
         every = len(rows) == len(inputs.input_ids) and torch.equal(rows, torch.arange(len(rows)))
         with torch.inference_mode():
+            if (every and self.graph_runner is not None and inputs.mode is ForwardMode.DECODE
+                    and self.graph_runner.can_run(fb.batch_size)):
+                return self.graph_runner.replay(fb.input_ids, fb.positions, fb)
+            self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
-            return self.model.compute_logits(hidden).cpu()  # [len(rows), vocab]
+            return self.model.compute_logits(hidden)  # [len(rows), vocab] float32
 
     def shutdown(self) -> None:
         """Rank 0: stop the follower ranks and leave the group. Idempotent; a no-op without TP."""

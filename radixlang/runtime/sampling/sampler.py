@@ -19,6 +19,7 @@ generator.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,10 @@ def _apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
     for row, (p, out) in enumerate(zip(info.params, info.output_ids)):
         if not out or (p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and p.repetition_penalty == 1.0):
             continue
-        ids = torch.tensor(out, dtype=torch.int64, device=logits.device)
-        uniq, counts = torch.unique(ids, return_counts=True)
+        # counted on the host (torch.unique on the device would sync on its data-dependent size)
+        tally = Counter(out)
+        uniq = torch.tensor(list(tally), dtype=torch.int64).to(logits.device, non_blocking=True)
+        counts = torch.tensor(list(tally.values()), dtype=torch.int64).to(logits.device, non_blocking=True)
         vals = logits[row, uniq]
         if p.repetition_penalty != 1.0:
             vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -63,7 +66,7 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None
 
 
 def _uniforms(info: SamplingInfo, generator: torch.Generator | None) -> torch.Tensor:
-    draws = []
+    draws = []  # drawn on the host (CPU generators: the same numbers on every device), moved once
     for p, out in zip(info.params, info.output_ids):
         if p.sampling_seed is not None:
             g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + len(out)) & _MASK64)
@@ -124,7 +127,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int =
                      ) -> tuple[list[float], TopLogprobs | None]:
     """logits [n, vocab], token_ids [n] -> logprob of each token, and the top_k per row."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.gather(logp, 1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    ids = token_ids.to(device=logp.device, dtype=torch.int64).view(-1, 1)  # host targets meet device logits
+    chosen = torch.gather(logp, 1, ids).squeeze(1).tolist()
     if top_k <= 0:
         return chosen, None
     vals, ids = torch.topk(logp, k=min(top_k, logp.shape[-1]), dim=-1)
