@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from radixlang.kernels.cpu.build import BuildError, library_path
+from radixlang.kernels.cpu.build import BuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,7 @@ def _library() -> ctypes.CDLL | str:
     """The loaded library, or why it could not be built or loaded; computed once per process (two
     threads racing here may both build: the build renames a finished file into place)."""
     try:
-        lib = ctypes.CDLL(str(library_path()))
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-        return lib
+        return load_library(_SIGNATURES)
     except (BuildError, OSError, AttributeError) as e:
         logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
         return str(e)

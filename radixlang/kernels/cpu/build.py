@@ -8,6 +8,7 @@ library. Compiling takes about a second; no PyTorch headers are involved.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -74,3 +75,15 @@ def library_path(source: Path | None = None) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def load_library(signatures: dict[str, tuple], source: Path | None = None) -> ctypes.CDLL:
+    """Build (if needed) and load ``source``, setting each named function's restype and argtypes.
+
+    Raises BuildError, OSError or AttributeError (a symbol missing); callers cache the outcome.
+    """
+    lib = ctypes.CDLL(str(library_path(source)))
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

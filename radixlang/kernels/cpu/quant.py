@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlang.kernels.cpu.build import QUANT_SOURCE, BuildError, library_path
+from radixlang.kernels.cpu.build import QUANT_SOURCE, BuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +31,7 @@ LAYOUTS = ("q4", "q8")
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     try:
-        lib = ctypes.CDLL(str(library_path(QUANT_SOURCE)))
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-        return lib
+        return load_library(_SIGNATURES, QUANT_SOURCE)
     except (BuildError, OSError, AttributeError) as e:
         logger.warning("radixlang quantized CPU kernels unavailable: %s", e)
         return str(e)

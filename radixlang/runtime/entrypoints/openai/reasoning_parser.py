@@ -53,19 +53,25 @@ def _think_split(body: str, *, final: bool) -> Split:
     return Split(body[:close], body[close + len(THINK_CLOSE):].lstrip("\n"))
 
 
+def _leading_think(text: str, *, final: bool) -> Split | None:
+    """The split of a reply that opens with <think> (after whitespace), nothing yet while the reply
+    may still be spelling <think>, or None when it does not open with one."""
+    body = text.lstrip()
+    if body.startswith(THINK_OPEN):
+        return _think_split(body[len(THINK_OPEN):], final=final)
+    if not final and THINK_OPEN.startswith(body):
+        return Split("", "")
+    return None
+
+
 class DeepSeekR1Parser(ReasoningParser):
     """DeepSeek-R1: the template opens <think> in the prompt, so the reply starts in reasoning
     (a leading <think> is dropped too); with no </think> the whole reply is reasoning."""
     name = "deepseek-r1"
 
     def snapshot(self, text: str, *, final: bool) -> Split:
-        lead = len(text) - len(text.lstrip())
-        body = text[lead:]
-        if body.startswith(THINK_OPEN):
-            return _think_split(body[len(THINK_OPEN):], final=final)
-        if not final and THINK_OPEN.startswith(body):
-            return Split("", "")
-        return _think_split(text, final=final)
+        lead = _leading_think(text, final=final)
+        return _think_split(text, final=final) if lead is None else lead
 
 
 class Qwen3Parser(ReasoningParser):
@@ -73,13 +79,8 @@ class Qwen3Parser(ReasoningParser):
     name = "qwen3"
 
     def snapshot(self, text: str, *, final: bool) -> Split:
-        lead = len(text) - len(text.lstrip())
-        body = text[lead:]
-        if body.startswith(THINK_OPEN):
-            return _think_split(body[len(THINK_OPEN):], final=final)
-        if not final and THINK_OPEN.startswith(body):
-            return Split("", "")
-        return Split("", text)
+        lead = _leading_think(text, final=final)
+        return Split("", text) if lead is None else lead
 
 
 class GptOssReasoningParser(ReasoningParser):
