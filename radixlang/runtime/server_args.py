@@ -61,6 +61,15 @@ class ServerArgs:
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output "
                                                                "(outlines backend only)")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
+    # speculative decoding
+    speculative_algorithm: str | None = _f(None, "draft tokens and check them in one forward: ngram drafts the "
+                                                 "tokens that followed the latest earlier occurrence of the "
+                                                 "sequence's last n tokens (its own prompt and output). Greedy "
+                                                 "output is unchanged; sampled output keeps its distribution",
+                                           (None, "ngram"))
+    speculative_num_draft_tokens: int | None = _f(None, "tokens drafted per request per step (default 4)")
+    speculative_ngram_min_match_window_size: int = _f(1, "shortest suffix n-gram ngram drafting matches")
+    speculative_ngram_max_match_window_size: int = _f(3, "longest suffix n-gram ngram drafting matches (tried first)")
     # chat (OpenAI routes)
     chat_template: str | None = _f(None, "a Jinja chat template file whose text replaces the tokenizer's")
     tool_call_parser: str = _f("auto", "tool-call format of the model's replies (auto: from the chat template's "
@@ -119,6 +128,7 @@ class ServerArgs:
             raise ValueError(f"page_size must be 1 (the KV pool is token-granular; paged KV is not implemented), "
                              f"got {self.page_size}")
         self._check_parallel()
+        self._check_speculative()
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template must be a Jinja template file, got {self.chat_template!r} (no such file)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -140,6 +150,17 @@ class ServerArgs:
         if self.tp_size > 1 and self.quantization:
             raise ValueError(f"quantization {self.quantization!r} is not supported with tp_size > 1, "
                              f"got tp_size {self.tp_size}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            if self.speculative_num_draft_tokens is not None:
+                raise ValueError("speculative_num_draft_tokens needs speculative_algorithm (ngram)")
+            return
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative n-gram windows must satisfy 1 <= min <= max, got min {lo}, max {hi}")
 
     def resolve(self) -> ServerArgs:
         """Resolve every "auto" once and log the choice."""

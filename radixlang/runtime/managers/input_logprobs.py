@@ -9,11 +9,14 @@ from radixlang.runtime.sampling.sampler import compute_logprobs
 
 
 def logit_rows(batch: ScheduleBatch) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Token rows whose logits we need, and per request (first_row_idx, last_row_idx, first_pos)."""
+    """Token rows whose logits we need, and per request (first_row_idx, last_row_idx, first_pos).
+
+    A request with speculative drafts scores its last ``len(drafts) + 1`` rows: they end its span."""
     rows: list[int] = []
     spans = []
     offset = 0
-    for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+    drafts = batch.drafts or [[]] * len(batch.reqs)
+    for req, pre, ext, d in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, drafts):
         first_idx = len(rows)
         first_pos = pre
         if batch.mode is ForwardMode.EXTEND and req.return_logprob:
@@ -22,7 +25,8 @@ def logit_rows(batch: ScheduleBatch) -> tuple[list[int], list[tuple[int, int, in
             end = min(pre + ext, req.prompt_len - 1)
             first_pos = start
             rows.extend(offset + (p - pre) for p in range(start, end))
-        rows.append(offset + ext - 1)  # the last token: next-token logits
+        # the last token's next-token logits, after those of the pending token and each draft but the last
+        rows.extend(range(offset + ext - 1 - len(d), offset + ext))
         spans.append((first_idx, len(rows) - 1, first_pos))
         offset += ext
     return rows, spans

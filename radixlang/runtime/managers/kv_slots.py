@@ -73,13 +73,16 @@ class KVSlots:
         req.kv_len += ext
         return True
 
-    def reserve_pending(self, reqs: list[Req]) -> torch.Tensor:
-        """Slots for every running request's tokens without KV (one, or more after a jump-forward).
+    def reserve_pending(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Slots for every running request's tokens without KV (one, or more after a jump-forward), and
+        after them for its speculative ``drafts``.
 
-        Returns out_cache_loc [sum of pending] int64; the caller made room (``room()``) first.
+        Returns out_cache_loc [sum of pending and drafted] int64; the caller made room (``room()``) first.
+        Only the pending tokens count in ``kv_len``: ``settle_drafts`` keeps the accepted drafts' slots.
         """
+        pending = [r.seq_len - r.kv_len for r in reqs]
+        extend_lens = [p + len(d) for p, d in zip(pending, drafts)] if drafts else pending
         prefix_lens = [r.kv_len for r in reqs]
-        extend_lens = [r.seq_len - r.kv_len for r in reqs]
         loc = self.alloc(sum(extend_lens))
         if loc is None:
             raise RuntimeError(f"no {sum(extend_lens)} KV slots for the decode batch after retraction "
@@ -88,9 +91,17 @@ class KVSlots:
         rows = torch.tensor([r.req_pool_idx for r, e in zip(reqs, extend_lens) for _ in range(e)], device=r2t.device)
         cols = torch.tensor([p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)], device=r2t.device)
         r2t[rows, cols] = loc.to(device=r2t.device, dtype=torch.int32)
-        for r, e in zip(reqs, extend_lens):
+        for r, e in zip(reqs, pending):
             r.kv_len += e
         return loc
+
+    def settle_drafts(self, req: Req, drafted: int, accepted: int) -> None:
+        """Keep the KV of the first ``accepted`` of the request's ``drafted`` tokens; free the others' slots."""
+        if accepted < drafted:
+            r2t = self.req_to_token_pool.req_to_token
+            rejected = r2t[req.req_pool_idx, req.kv_len + accepted:req.kv_len + drafted]
+            self.kv_pool.free(rejected.to(torch.int64))
+        req.kv_len += accepted
 
     def release(self, req: Req, *, keep: bool) -> None:
         """Free the request's slots; with ``keep`` its computed tokens first go to the prefix cache."""

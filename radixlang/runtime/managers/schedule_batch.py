@@ -43,6 +43,9 @@ class Req:
     grammar_future: Future[CompiledGrammar] | None = None  # a constrained request's grammar, compiling
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
     is_retracted: bool = False
+    draft_index: Any = None  # speculative.NgramIndex over fill_ids, built on the first drafted step
+    spec_draft_tokens: int = 0  # tokens drafted for this request, and how many of them were accepted
+    spec_accepted_tokens: int = 0
     # latency bookkeeping (time.monotonic seconds)
     arrival_time: float = 0.0
     last_token_time: float | None = None  # when the newest output token was appended
@@ -97,6 +100,9 @@ class ScheduleBatch:
     # True for a batch of running requests (decode; EXTEND when some extend by jump-forwarded tokens):
     # they stay in the running list, while the requests of a prefill batch join it
     from_running: bool = False
+    # speculative decoding: per request the drafted tokens that follow its pending ones (counted in
+    # extend_lens, not yet in the request's output); None when the step drafts nothing
+    drafts: list[list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -111,8 +117,10 @@ class ScheduleBatch:
             seq_lens = [r.seq_len for r in reqs]
         else:
             input_ids, positions, seq_lens = [], [], []
-            for r, pre, ext in zip(reqs, self.prefix_lens, self.extend_lens):
-                input_ids.extend(r.tokens(pre, pre + ext))
+            drafts = self.drafts or [[]] * len(reqs)
+            for r, pre, ext, d in zip(reqs, self.prefix_lens, self.extend_lens, drafts):
+                input_ids.extend(r.tokens(pre, pre + ext - len(d)))
+                input_ids.extend(d)
                 positions.extend(range(pre, pre + ext))
                 seq_lens.append(pre + ext)
         return StepInputs(mode=self.mode, input_ids=torch.tensor(input_ids, dtype=torch.int64),

@@ -29,6 +29,7 @@ from radixlang.runtime.managers.io_struct import BatchTokenIDOut, FinishReason, 
 from radixlang.runtime.managers.kv_slots import KVSlots
 from radixlang.runtime.managers.schedule_batch import Req, ScheduleBatch
 from radixlang.runtime.managers.schedule_policy import order_waiting
+from radixlang.runtime.managers.speculative import NgramDrafter
 from radixlang.runtime.managers.scheduler_output import OutputCollector
 from radixlang.runtime.managers.scheduler_stats import SchedulerStats, find_memory_leak
 from radixlang.runtime.managers.stop import check_finished
@@ -37,7 +38,7 @@ from radixlang.runtime.mem_cache.req_cache import NoReqCache, ReqCache
 from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
 from radixlang.runtime.model_executor.model_runner import ModelRunner
 from radixlang.runtime.model_executor.runner import Runner
-from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample
+from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 
@@ -75,6 +76,7 @@ class Scheduler:
         self.metrics = SchedulerStats()
         self.stats = self.metrics.counts
         self.jump_forward = not self.args.disable_jump_forward
+        self.drafter = _make_drafter(self.args, self.runner.context_len)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -224,10 +226,17 @@ class Scheduler:
         reqs = list(self.running)
         prefix_lens = [r.kv_len for r in reqs]
         extend_lens = [r.seq_len - r.kv_len for r in reqs]
-        loc = self.kv.reserve_pending(reqs)
+        drafts = None
+        if self.drafter is not None:  # speculative: drafts ride after the pending tokens, in the room left
+            drafts = self.drafter.drafts(reqs, self.kv.room() - sum(extend_lens))
+            if any(drafts):
+                extend_lens = [e + len(d) for e, d in zip(extend_lens, drafts)]
+            else:
+                drafts = None
+        loc = self.kv.reserve_pending(reqs, drafts)
         mode = ForwardMode.DECODE if len(loc) == len(reqs) else ForwardMode.EXTEND
         return ScheduleBatch(mode=mode, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
-                             out_cache_loc=loc, sample_mask=[True] * len(reqs), from_running=True)
+                             out_cache_loc=loc, sample_mask=[True] * len(reqs), from_running=True, drafts=drafts)
 
     def _retract_until_decode_fits(self) -> None:
         while self.kv.room() < sum(r.seq_len - r.kv_len for r in self.running):
@@ -269,7 +278,9 @@ class Scheduler:
         record_input_logprobs(batch, logits, logprob_spans)
         if batch.mode is ForwardMode.EXTEND and not batch.from_running:
             self._after_extend(batch)
-        if sample_rows:
+        if batch.drafts is not None:
+            self._verify_drafts(batch, logits, [span[1] for span in logprob_spans])
+        elif sample_rows:
             self._sample_and_append([batch.reqs[i] for i in sample_rows],
                                     logits[[logprob_spans[i][1] for i in sample_rows]])
         self._update_running(batch)
@@ -312,6 +323,51 @@ class Scheduler:
             if req.return_logprob:
                 self._record_output_logprob(req, raw[i:i + 1], next_ids[i:i + 1])
             self._append_token(req, next_ids_cpu[i])
+            if req.stream and not req.finished:
+                self.outputs.add(req, final=False)
+
+    def _verify_drafts(self, batch: ScheduleBatch, logits: torch.Tensor, last_rows: list[int]) -> None:
+        """Speculative decoding: each request appends its drafts while the target model agrees, then one
+        token of its own; the rejected drafts' KV slots are freed.
+
+        Row j of a request (``last_rows[i] - len(drafts) + j``) holds the next-token logits after its
+        pending token and j drafts: the token chosen from it is the one plain decoding would append
+        there, so draft j is kept iff it equals that token (see ``verify_draft`` for sampled requests).
+        """
+        drafts = batch.drafts or []
+        firsts = [last - len(d) for last, d in zip(last_rows, drafts)]
+        plain = [i for i, r in enumerate(batch.reqs) if _plain_greedy(r)]
+        picked: dict[int, list[int]] = {}
+        if plain:  # greedy requests without a grammar or penalties: one argmax over all their rows
+            rows = [firsts[i] + j for i in plain for j in range(len(drafts[i]) + 1)]
+            top = torch.argmax(logits[rows], dim=-1).tolist()  # the one device-to-host read for them
+            for i in plain:
+                picked[i], top = top[:len(drafts[i]) + 1], top[len(drafts[i]) + 1:]
+        now = time.monotonic()
+        for i, (req, d) in enumerate(zip(batch.reqs, drafts)):
+            accepted = 0
+            for j in range(len(d) + 1 if not req.finished else 0):
+                draft = d[j] if j < len(d) else None
+                if i in picked:
+                    tok = picked[i][j]
+                else:
+                    row = logits[firsts[i] + j:firsts[i] + j + 1].clone()
+                    apply_grammar_masks([req], row)
+                    raw = row.clone() if req.return_logprob else row
+                    tok = verify_draft(row, self._sampling_info([req]), draft, self.generator)
+                    if req.return_logprob:
+                        self._record_output_logprob(req, raw, torch.tensor([tok]))
+                self.metrics.observe_token(req, now)
+                before = len(req.output_ids)
+                self._append_token(req, tok)
+                if tok != draft or req.finished or len(req.output_ids) != before + 1:  # a jump-forward
+                    break
+                accepted += 1
+            self.kv.settle_drafts(req, len(d), accepted)
+            req.spec_draft_tokens += len(d)
+            req.spec_accepted_tokens += accepted
+            self.stats["spec_draft_tokens"] += len(d)
+            self.stats["spec_accepted_tokens"] += accepted
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 
@@ -380,6 +436,21 @@ def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenTo
     if args.disable_radix_cache:
         return NoReqCache(req_pool, kv_pool)
     return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)
+
+
+def _make_drafter(args: ServerArgs, context_len: int) -> NgramDrafter | None:
+    if args.speculative_algorithm is None:
+        return None
+    return NgramDrafter(args.speculative_num_draft_tokens or 4, args.speculative_ngram_min_match_window_size,
+                        args.speculative_ngram_max_match_window_size, context_len)
+
+
+def _plain_greedy(req: Req) -> bool:
+    """Whether the request's next token is the argmax of its raw logits (no grammar, bias or penalty)."""
+    p = req.sampling_params
+    return (p.is_greedy and req.grammar is None and not req.return_logprob and not p.logit_bias_ids
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and len(req.output_ids) >= p.min_new_tokens)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -74,7 +74,18 @@ class OutputCollector:
                 out.output_top_logprobs.append(None)
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
-            out.extra_meta.append({"jump_forward_tokens": req.jump_forward_tokens} if req.jump_forward_tokens else {})
+            out.extra_meta.append(_extra_meta(req))
             req.sent_output_len = len(req.output_ids)
         self._pending.clear()
         return out
+
+
+def _extra_meta(req: Req) -> dict[str, int]:
+    """meta_info keys only some requests have: jump-forward and speculative-decoding counts."""
+    meta = {}
+    if req.jump_forward_tokens:
+        meta["jump_forward_tokens"] = req.jump_forward_tokens
+    if req.spec_draft_tokens:
+        meta["spec_draft_tokens"] = req.spec_draft_tokens
+        meta["spec_accepted_tokens"] = req.spec_accepted_tokens
+    return meta

@@ -11,7 +11,7 @@ from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoo
 from radixlang.runtime.mem_cache.req_cache import ReqCache
 
 COUNTERS = ("prompt_tokens", "cached_tokens", "generated_tokens", "num_requests", "num_retractions",
-            "forward_steps", "jump_forward_tokens")
+            "forward_steps", "jump_forward_tokens", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class SchedulerStats:

@@ -26,7 +26,8 @@ import torch
 
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingInfo", "sample", "apply_logit_bias", "compute_logprobs", "TopLogprobs"]
+__all__ = ["SamplingParams", "SamplingInfo", "sample", "verify_draft", "apply_logit_bias", "compute_logprobs",
+           "TopLogprobs"]
 
 _MASK64 = (1 << 63) - 1
 
@@ -76,24 +77,18 @@ def _uniforms(info: SamplingInfo, generator: torch.Generator | None) -> torch.Te
     return torch.cat(draws)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row. logits [bs, vocab] float32 (modified in place) -> [bs] int64."""
+def _prepare(logits: torch.Tensor, info: SamplingInfo) -> None:
+    """Steps 1 and 2 of the module docstring, in place: banned tokens, logit_bias, penalties."""
     for row, banned in enumerate(info.min_tokens_blocked):
         if banned:
             logits[row, banned] = float("-inf")
     apply_logit_bias(logits, info.params)
     _apply_penalties(logits, info)
-    greedy_rows = [i for i, p in enumerate(info.params) if p.is_greedy]
-    result = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    if len(greedy_rows) == len(info.params):
-        return torch.argmax(logits, dim=-1)
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
-        result[idx] = torch.argmax(logits[idx], dim=-1)
-    rand_rows = [i for i, p in enumerate(info.params) if not p.is_greedy]
-    idx = torch.tensor(rand_rows, dtype=torch.int64, device=logits.device)
-    params = [info.params[i] for i in rand_rows]
-    sub = logits[idx]  # [n, vocab]
+
+
+def _kept_sorted(sub: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 4's filter over logits [n, vocab]: (probabilities sorted descending with the dropped ones zeroed,
+    their token ids, how many are kept per row [n, 1])."""
     temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
     probs = torch.softmax(sub / temps[:, None], dim=-1)
     probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
@@ -106,15 +101,78 @@ def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator 
     keep &= ranks < top_ks[:, None]
     min_ps = torch.tensor([p.min_p for p in params], dtype=sub.dtype, device=sub.device)
     keep &= probs_sorted >= (min_ps * probs_sorted[:, 0])[:, None]
-    probs_sorted = probs_sorted * keep
+    return probs_sorted * keep, order, keep.sum(-1, keepdim=True)
+
+
+def _draw(probs_sorted: torch.Tensor, order: torch.Tensor, kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from the (unnormalized) sorted kept probabilities; ``u`` [n] uniforms in [0, 1)."""
     cum = torch.cumsum(probs_sorted, dim=-1)
-    u = _uniforms(SamplingInfo(params=params, output_ids=[info.output_ids[i] for i in rand_rows],
-                               min_tokens_blocked=[]), generator).to(sub.device) * cum[:, -1]
-    pick = torch.searchsorted(cum, u[:, None].to(cum.dtype), right=True).clamp_(max=probs.shape[-1] - 1)
+    target = (u.to(cum.device) * cum[:, -1])[:, None].to(cum.dtype)
+    pick = torch.searchsorted(cum, target, right=True).clamp_(max=probs_sorted.shape[-1] - 1)
     # searchsorted can land on a zeroed tail entry only through rounding; step back to a kept one
-    pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)
-    result[idx] = torch.gather(order, 1, pick).squeeze(1)
+    pick = torch.minimum(pick, kept - 1)
+    return torch.gather(order, 1, pick).squeeze(1)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row. logits [bs, vocab] float32 (modified in place) -> [bs] int64."""
+    _prepare(logits, info)
+    greedy_rows = [i for i, p in enumerate(info.params) if p.is_greedy]
+    result = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    if len(greedy_rows) == len(info.params):
+        return torch.argmax(logits, dim=-1)
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
+        result[idx] = torch.argmax(logits[idx], dim=-1)
+    rand_rows = [i for i, p in enumerate(info.params) if not p.is_greedy]
+    idx = torch.tensor(rand_rows, dtype=torch.int64, device=logits.device)
+    params = [info.params[i] for i in rand_rows]
+    probs_sorted, order, kept = _kept_sorted(logits[idx], params)
+    u = _uniforms(SamplingInfo(params=params, output_ids=[info.output_ids[i] for i in rand_rows],
+                               min_tokens_blocked=[]), generator)
+    result[idx] = _draw(probs_sorted, order, kept, u)
     return result
+
+
+def verify_draft(logits: torch.Tensor, info: SamplingInfo, draft: int | None,
+                 generator: torch.Generator | None = None) -> int:
+    """Speculative decoding's test of one drafted token against the target's logits [1, vocab] (modified).
+
+    Returns the token to append: ``draft`` itself when accepted, else a token drawn so that the result
+    follows exactly what ``sample`` would draw. Greedy: the argmax (the draft is accepted iff it is the
+    argmax). Sampled: a deterministic draft is accepted with probability p(draft); when rejected, the
+    token comes from p with the draft removed, renormalized (rejection sampling with a one-hot proposal,
+    so the output keeps the target distribution). ``draft`` None: a plain ``sample``.
+    """
+    _prepare(logits, info)
+    p = info.params[0]
+    if p.is_greedy:
+        return int(torch.argmax(logits[0]))
+    probs_sorted, order, kept = _kept_sorted(logits, [p])
+    u = _uniforms(info, generator)  # the same draw ``sample`` would make at this step
+    if draft is None:
+        return int(_draw(probs_sorted, order, kept, u)[0])
+    total = probs_sorted[0].sum()
+    at = (order[0] == draft).nonzero()
+    p_draft = probs_sorted[0, int(at[0, 0])] / total if at.numel() else torch.zeros(())
+    if float(u[0]) < float(p_draft):
+        return draft
+    if at.numel():
+        probs_sorted[0, int(at[0, 0])] = 0.0
+    nonzero = (probs_sorted[0] > 0).nonzero()
+    if not nonzero.numel():  # the draft held all the mass (accepted above but for rounding)
+        return draft
+    # the rejected branch draws again from a second uniform (seeded requests: the next one in their stream)
+    u2 = _second_uniform(p, info.output_ids[0], generator)
+    last = torch.tensor([[int(nonzero[-1, 0]) + 1]], device=probs_sorted.device)
+    return int(_draw(probs_sorted, order, last, u2)[0])
+
+
+def _second_uniform(p: SamplingParams, out: list[int], generator: torch.Generator | None) -> torch.Tensor:
+    if p.sampling_seed is not None:
+        g = torch.Generator().manual_seed((p.sampling_seed * 1_000_003 + len(out)) & _MASK64)
+        return torch.rand(2, generator=g)[1:]
+    return torch.rand(1, generator=generator)
 
 
 @dataclass
