@@ -8,7 +8,7 @@ import torch
 
 from radixlang.runtime.managers.schedule_batch import Req
 from radixlang.runtime.managers.speculative import NgramDrafter, NgramIndex
-from radixlang.runtime.sampling.sampler import SamplingInfo, sample, verify_draft
+from radixlang.runtime.sampling.sampler import SamplingInfo, verify_draft
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 
