@@ -109,11 +109,12 @@ class LlamaServer:
     """A running llama-server on ``gguf_path`` with ``parallel`` slots; ``close()`` (or ``with``) stops it."""
 
     def __init__(self, gguf_path: str, *, parallel: int = 1, threads: int = 2, ctx_per_slot: int = 2048,
-                 port: int | None = None, binary: str | None = None, startup_timeout: float = 300.0) -> None:
+                 port: int | None = None, binary: str | None = None, startup_timeout: float = 300.0,
+                 extra_args: Sequence[str] = ()) -> None:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = command(binary or str(build()), gguf_path, port=self.port, parallel=parallel, threads=threads,
-                            ctx_per_slot=ctx_per_slot)
+                            ctx_per_slot=ctx_per_slot) + list(extra_args)  # e.g. --spec-type ngram-simple
         self._log = open(cache_dir() / f"server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
         try:
@@ -156,9 +157,23 @@ class LlamaServer:
 def command(binary: str, gguf_path: str, *, port: int, parallel: int, threads: int, ctx_per_slot: int) -> list[str]:
     """llama-server's argv: ``parallel`` slots sharing a context of ``parallel * ctx_per_slot`` tokens,
     continuous batching (its default), the same thread count for prompt and generation."""
-    return [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+    argv = [binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
             "--ctx-size", str(parallel * ctx_per_slot), "--threads", str(threads), "--threads-batch", str(threads),
             "--cont-batching"]
+    if _cpu_has_amx():
+        # ggml's AMX weight repacking (an "extra buffer type" it picks on AMX CPUs) crashes on the first
+        # matmul of a Q4_1 model (SIGSEGV in ggml_backend_amx_mul_mat, seen with this sdist's tree);
+        # without repacking the Q4_1 weights run on ggml's AVX-512 dot products, as on any non-AMX CPU
+        argv.append("--no-repack")
+    return argv
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
 
 
 def _free_port() -> int:
