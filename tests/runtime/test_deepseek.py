@@ -133,6 +133,10 @@ def test_mla_checkpoint_checks_and_refusals(tmp_path):
         check_backend_features(model, AttentionBackend(), "triton")
     with pytest.raises(ValueError, match="tensor parallelism"):
         type(model)(model.config, tp=object())
+    from radixlang.runtime.models.llama import check_tensor_parallel
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: multi-head latent attention .* tensor parallelism"):
+        check_tensor_parallel(model.config, 2)  # what rank 0 runs before starting any other rank
+    check_tensor_parallel(model.config, 1)
     path = f"{folder}/model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(path).items()}
     mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k}
