@@ -103,5 +103,8 @@ def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, **overrides) -> s
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(".sinks"):  # attention sinks large enough to take real probability mass
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias: away from zero
+                b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(path, safe_serialization=True)
     return path

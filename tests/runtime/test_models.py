@@ -10,7 +10,7 @@ from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch
-from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.loader import load_model
 from tiny_model import make_tiny_model_dir
@@ -23,8 +23,11 @@ def _run_ours(model: LlamaForCausalLM, ids: list[int], *, decode_last: bool = Fa
     the model's small ops and the decode attention on radixlang's compiled CPU kernels. ``keep_rows``:
     the EXTEND returns only those rows' logits."""
     n = len(ids)
-    pool = TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
-                         head_dim=model.head_dim, dtype=torch.float32, device="cpu")
+    mla = getattr(model, "mla_latent", None)  # (latent_dim, value_dim): MLA caches one latent per token
+    pool = (TokenToKVPool(n + 4, num_layers=len(model.layers), num_kv_heads=model.num_kv_heads,
+                          head_dim=model.head_dim, dtype=torch.float32, device="cpu") if mla is None
+            else MLATokenToKVPool(n + 4, num_layers=len(model.layers), latent_dim=mla[0], value_dim=mla[1],
+                                  dtype=torch.float32, device="cpu"))
     reqs = ReqToTokenPool(2, n + 4, "cpu")
     loc = pool.alloc(n)
     reqs.req_to_token[0, :n] = loc.to(torch.int32)

@@ -87,3 +87,13 @@ def test_int4_linear_is_close_and_runs_on_the_q4_kernel():
     assert 0 < rel < 0.1, rel
     m = quantize_model_(tied_toy_model(), "int4", "cpu")  # 16 input features do not fill a group of 32
     assert isinstance(m.block[2], QuantLinear) and type(m.block[0]) is nn.Linear and m.lm_head is None
+
+
+def test_int8_leaves_widths_its_kernel_cannot_take_in_float():
+    """torch's int8 matmul crashed at 2+ rows on an input width that is not a multiple of 16 (MLA's small
+    q_lora_rank in the tiny DeepSeek checkpoints): such a linear stays float."""
+    model = nn.Sequential(nn.Linear(24, 144), nn.Linear(144, 32))
+    quantize_model_(model, "int8", "cpu")
+    assert type(model[0]) is nn.Linear and isinstance(model[1], Int8WeightOnlyLinear)
+    with torch.inference_mode():
+        assert model(torch.randn(3, 24)).shape == (3, 32)

@@ -59,12 +59,18 @@ class AttentionLayerLike(Protocol):
     scaling: float
 
 
-ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "sinks")
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "sinks", "mla")
 
 
 def layer_features(layer: object) -> frozenset[str]:
     """The optional attention features a layer uses: a layer may carry ``sliding_window`` (int tokens),
-    ``logit_softcap`` (float) and ``sinks`` ([num_heads] logits); absent or None means unused."""
+    ``logit_softcap`` (float), ``sinks`` ([num_heads] logits) and ``mla`` (int: multi-head latent
+    attention, see below); absent or None means unused.
+
+    ``mla`` = value_dim: attention over a compressed latent (DeepSeek-V2/V3, decode-style absorbed
+    projections). q is [num_tokens, num_heads, latent_dim], k [num_tokens, 1, latent_dim] (one kv head
+    for every query head), v is k's first value_dim features, and the output is
+    [num_tokens, num_heads, value_dim]."""
     return frozenset(f for f in ATTENTION_FEATURES if getattr(layer, f, None) is not None)
 
 
@@ -77,7 +83,7 @@ class AttentionBackend:
     Invariants: q is [num_tokens, num_heads, head_dim], k and v are
     [num_tokens, num_kv_heads, head_dim], all in the model dtype on the model
     device; tokens are laid out request by request in batch order. The
-    returned tensor has q's shape. A backend never frees or allocates KV slots:
+    returned tensor has q's shape (an ``mla`` layer's: v's head size). A backend never frees or allocates KV slots:
     the scheduler owns the pools; the backend only writes the slots named by
     ``out_cache_loc`` and reads those named by ``req_to_token``.
     """

@@ -9,8 +9,8 @@ kv head, as small register-blocked matrix products; 2-3x faster than the torch b
 and cascade paths on prefill and few-shot shapes. Head sizes the extend kernel does not take (not a
 multiple of 64) run the torch backend's extend. The new tokens' k/v are written with one copy per
 token. The default on the CPU whenever the kernels build here; ``attention_backend="torch"`` is the
-pure-PyTorch reference. The kernels take no sliding window, soft-capping or sinks: layers using one run
-the torch backend's plain path (same pool, same metadata step).
+pure-PyTorch reference. The kernels take no sliding window, soft-capping, sinks or MLA: layers using
+one run the torch backend's plain or MLA path (same pool, same metadata step).
 """
 from __future__ import annotations
 

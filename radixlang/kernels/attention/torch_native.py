@@ -14,6 +14,11 @@ SDPA each over prefix + new tokens; a fresh prompt attends over its own new k/v,
 Layers with a sliding window, attention-logit soft-capping or attention sinks (``layer_features``) run a
 plain path instead: each request's scores over its whole cached context, masked by position, capped,
 and softmaxed with the sink logits as extra columns. That path is the reference for those features.
+
+Multi-head latent attention (``mla`` layers, DeepSeek-V2/V3) is multi-query attention over the cached
+latent: every query head scores the one latent row per token, and the value is that row's leading
+features. Extends run one request at a time (the query heads and tokens of a request in one matmul);
+a decode batch runs as one batched matmul over the contexts padded to the longest.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ class _Group:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    supported_features = frozenset({"sliding_window", "logit_softcap", "sinks"})
+    supported_features = frozenset({"sliding_window", "logit_softcap", "sinks", "mla"})
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **_: object) -> None:
@@ -62,6 +67,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._extend_reqs: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
         # the plain path's per-request (first token row, new tokens, kv slots [total] int64, query positions)
         self._plain_reqs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+        # an MLA decode's padded contexts, built from (and valid with) that _plain_reqs list:
+        # (the list, slots [bs, S] int64, key visible [bs, 1, S] bool)
+        self._mla_pad: tuple[list, torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         seq_lens = forward_batch.seq_lens_cpu
@@ -148,8 +156,46 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[start:start + extend_len] = torch.matmul(probs, vi).transpose(0, 1)
         return out.to(q.dtype)
 
+    def forward_mla(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        """Multi-query attention over MLA's latent (``layer_features``: mla).
+
+        q [num_tokens, num_heads, latent]; k [num_tokens, 1, latent]; v [num_tokens, 1, value_dim], k's
+        leading features (the pool stores k alone) -> [num_tokens, num_heads, value_dim]."""
+        if self._plain_reqs is None:
+            self._plain_reqs = self._init_plain(forward_batch)
+        pool = forward_batch.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf = pool.get_key_buffer(layer.layer_id)  # [slots, 1, latent]
+        dv = v.shape[-1]
+        qf = q.to(k_buf.dtype)
+        reqs = self._plain_reqs
+        if forward_batch.forward_mode.is_decode() and len(reqs) > 1:
+            if self._mla_pad is None or self._mla_pad[0] is not reqs:
+                lens = torch.tensor([loc.shape[0] for _, _, loc, _ in reqs], device=qf.device)
+                slots = torch.nn.utils.rnn.pad_sequence([loc for _, _, loc, _ in reqs], batch_first=True)
+                visible = torch.arange(slots.shape[1], device=qf.device)[None, :] < lens[:, None]
+                self._mla_pad = (reqs, slots, visible[:, None, :])
+            _, slots, visible = self._mla_pad
+            bs, s = slots.shape
+            kv = k_buf.index_select(0, slots.view(-1)).view(bs, s, -1)  # [bs, S, latent]
+            scores = torch.bmm(qf, kv.transpose(1, 2)) * layer.scaling  # [bs, heads, S]
+            probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
+            return torch.bmm(probs, kv[..., :dv]).to(q.dtype)  # [bs, heads, value_dim]
+        out = qf.new_empty(qf.shape[0], qf.shape[1], dv)
+        for start, extend_len, loc, q_pos in reqs:
+            kv = k_buf.index_select(0, loc)[:, 0]  # [total, latent]
+            scores = torch.matmul(qf[start:start + extend_len], kv.t()) * layer.scaling  # [e, heads, total]
+            if extend_len > 1:
+                visible = torch.arange(loc.shape[0], device=loc.device)[None, :] <= q_pos[:, None]  # [e, total]
+                scores.masked_fill_(~visible[:, None, :], float("-inf"))
+            out[start:start + extend_len] = torch.matmul(scores.softmax(-1), kv[:, :dv])
+        return out.to(q.dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        if getattr(layer, "mla", None) is not None:
+            return self.forward_mla(q, k, v, layer, forward_batch)
         if layer_features(layer):
             return self.forward_plain(q, k, v, layer, forward_batch)
         return super().forward(q, k, v, layer, forward_batch)

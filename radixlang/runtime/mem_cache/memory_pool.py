@@ -2,6 +2,8 @@
 
 Token-granular and paged only logically: any free slot can hold any token.
 Slot 0 of the KV pool is a reserved dummy (padding target), never handed out.
+``MLATokenToKVPool`` holds multi-head latent attention's compressed cache (DeepSeek-V2/V3): one latent
+row per token and layer, whose leading features double as the value (no separate value buffer).
 The scheduler owns both pools; attention backends only read and write slots.
 """
 from __future__ import annotations
@@ -59,6 +61,10 @@ class TokenToKVPool:
         self.k_buffer = [torch.zeros((size + 1, h, d), dtype=dtype, device=device) for h, d in shapes]
         self.v_buffer = [torch.zeros((size + 1, h, d), dtype=dtype, device=device) for h, d in shapes]
         self.per_token_bytes = self.layers_bytes_per_token(shapes, dtype)
+        self._init_free()
+
+    def _init_free(self) -> None:
+        size = self.size
         self._free = torch.ones(size + 1, dtype=torch.bool)  # host-side free map
         self._free[0] = False
         self._free_slots = torch.arange(1, size + 1, dtype=torch.int64)
@@ -123,3 +129,33 @@ class TokenToKVPool:
     def layers_bytes_per_token(layer_shapes: list[tuple[int, int]], dtype: torch.dtype) -> int:
         """k + v bytes one token takes over layers of the given (num_kv_heads, head_dim)."""
         return 2 * sum(h * d for h, d in layer_shapes) * torch.empty(0, dtype=dtype).element_size()
+
+
+class MLATokenToKVPool(TokenToKVPool):
+    """Multi-head latent attention's cache: per layer [size + 1, 1, latent_dim] (the normed compressed kv,
+    then the rotated shared key: kv_lora_rank + qk_rope_head_dim features), one "kv head" every query
+    head attends to. The value is the latent's first ``value_dim`` features: ``get_value_buffer`` returns
+    a view of the key buffer, so a token costs latent_dim values per layer, not k + v per head."""
+
+    def __init__(self, size: int, *, num_layers: int, latent_dim: int, value_dim: int,
+                 dtype: torch.dtype, device: str | torch.device) -> None:
+        if not 0 < value_dim <= latent_dim:
+            raise ValueError(f"the value ({value_dim} features) must be a leading part of the latent ({latent_dim})")
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        self.latent_dim, self.value_dim = latent_dim, value_dim
+        self.layer_shapes = [(1, latent_dim)] * num_layers
+        self.k_buffer = [torch.zeros((size + 1, 1, latent_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [k[..., :value_dim] for k in self.k_buffer]  # views: nothing stored twice
+        self.per_token_bytes = self.latent_bytes_per_token(num_layers=num_layers, latent_dim=latent_dim, dtype=dtype)
+        self._init_free()
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc [n] int64; k [n, 1, latent_dim]; v is k's leading value_dim features and lands with it
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+
+    @staticmethod
+    def latent_bytes_per_token(*, num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * latent_dim * torch.empty(0, dtype=dtype).element_size()

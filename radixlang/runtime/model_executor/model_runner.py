@@ -19,7 +19,7 @@ from radixlang.kernels.cuda_graph import CudaGraphRunner, DecodeGraphInputs, Gra
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
-from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.layers.attention_config import check_backend_features
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
@@ -91,10 +91,7 @@ class ModelRunner:
             self.max_total_tokens, self.max_running, self.context_len = self.tp.broadcast_ints(
                 [self.max_total_tokens, self.max_running, self.context_len])
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
-        self.kv_pool = TokenToKVPool(self.max_total_tokens, num_layers=self.hf_config.num_hidden_layers,
-                                     num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-                                     dtype=self.kv_dtype, device=self.device,
-                                     layer_shapes=self.model.kv_layer_shapes())
+        self.kv_pool = self._make_kv_pool(self.max_total_tokens)
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype,
@@ -105,9 +102,25 @@ class ModelRunner:
                     self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, self.context_len,
                     args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
 
+    def _make_kv_pool(self, size: int) -> TokenToKVPool:
+        """Per-head k and v per layer, or (MLA: the model's ``mla_latent`` = (latent_dim, value_dim)) one
+        compressed latent per token and layer."""
+        mla = getattr(self.model, "mla_latent", None)
+        if mla is not None:
+            return MLATokenToKVPool(size, num_layers=self.hf_config.num_hidden_layers, latent_dim=mla[0],
+                                    value_dim=mla[1], dtype=self.kv_dtype, device=self.device)
+        return TokenToKVPool(size, num_layers=self.hf_config.num_hidden_layers,
+                             num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+                             dtype=self.kv_dtype, device=self.device, layer_shapes=self.model.kv_layer_shapes())
+
     def _auto_kv_tokens(self) -> int:
-        # the model's real per-token KV bytes (layers may differ in kv heads and head size)
-        per_token = TokenToKVPool.layers_bytes_per_token(self.model.kv_layer_shapes(), self.kv_dtype)
+        # the model's real per-token KV bytes (layers may differ in kv heads and head size; MLA caches a latent)
+        mla = getattr(self.model, "mla_latent", None)
+        if mla is not None:
+            per_token = MLATokenToKVPool.latent_bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
+                                                                latent_dim=mla[0], dtype=self.kv_dtype)
+        else:
+            per_token = TokenToKVPool.layers_bytes_per_token(self.model.kv_layer_shapes(), self.kv_dtype)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
         else:

@@ -97,8 +97,9 @@ def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: st
             add_prefill_copies_(model)
         return model
     make = Int8WeightOnlyLinear.from_linear if method == "int8" else int4_linear
-    # int4 groups 32 input features: a linear with another width stays float
-    fits = (lambda k: True) if method == "int8" else (lambda k: k % 32 == 0)
+    # int4 groups 32 input features; torch's int8 matmul crashed (segfault) at 2+ rows on widths that are
+    # not a multiple of 16 (8, 24, 40, 56 here): a linear with another width stays float
+    fits = (lambda k: k % 16 == 0) if method == "int8" else (lambda k: k % 32 == 0)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and fits(child.in_features):

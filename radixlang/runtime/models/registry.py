@@ -5,6 +5,8 @@ from typing import Any
 
 from torch import nn
 
+from radixlang.runtime.models.deepseek_v2 import DeepseekV2ForCausalLM
+from radixlang.runtime.models.deepseek_v3 import DeepseekV3ForCausalLM
 from radixlang.runtime.models.gemma2 import Gemma2ForCausalLM
 from radixlang.runtime.models.gemma3 import Gemma3ForCausalLM
 from radixlang.runtime.models.gpt_oss import GptOssForCausalLM
@@ -30,6 +32,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -1,5 +1,6 @@
 """A fused mixture-of-experts MLP: every expert's gate/up and down weights in two stacked tensors, the
-routing rule of the model (softmax then top-k, with or without renormalising the top-k), an optional
+routing rule of the model (softmax then top-k, with or without renormalising the top-k; DeepSeek's
+grouped routing, V2 over softmax scores, V3 over sigmoid scores with a selection bias), an optional
 shared expert, and a dispatch that sorts the (token, expert) pairs by expert so each expert runs one
 matmul over all its tokens: the Python loop is over experts (at most ``num_experts`` steps), never
 over tokens.
@@ -35,6 +36,51 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int) -> torch.Tensor:
+    """[n, E] bool: the experts of each token's ``topk_group`` best groups (group_scores [n, groups])."""
+    n, groups = group_scores.shape
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    return keep[:, :, None].expand(n, groups, choice.shape[1] // groups).reshape(n, -1)
+
+
+def route_softmax_grouped(logits: torch.Tensor, top_k: int, *, n_group: int | None = None,
+                          topk_group: int | None = None,
+                          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: softmax over all experts (float32), the top k, times ``scale`` (routed_scaling_factor),
+    not renormalised. With ``n_group`` (topk_method "group_limited_greedy") the experts are split into
+    n_group equal groups, a group scores its best expert, and only the ``topk_group`` best groups' experts
+    can be picked. logits [n, E] -> (weights [n, k] f32, ids [n, k] i64)."""
+    scores = logits.float().softmax(-1)
+    choice = scores
+    if n_group and n_group > 1:
+        group_best = scores.view(scores.shape[0], n_group, -1).amax(-1)  # [n, groups]
+        choice = scores.masked_fill(~_group_mask(scores, group_best, int(topk_group or n_group)), 0.0)
+    weights, ids = choice.topk(top_k, dim=-1)
+    return weights * scale, ids
+
+
+def route_sigmoid_grouped(logits: torch.Tensor, top_k: int, *, bias: torch.Tensor, n_group: int | None,
+                          topk_group: int | None, renormalize: bool,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores (float32); the experts are picked by score + ``bias``
+    (e_score_correction_bias) among the ``topk_group`` best of ``n_group`` groups (a group scores the sum of
+    its two best biased scores); their weights are the unbiased scores, renormalised to sum to 1 when
+    ``renormalize`` (norm_topk_prob), times ``scale`` (routed_scaling_factor).
+    logits [n, E] -> (weights [n, k] f32, ids [n, k] i64)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if n_group and n_group > 1:
+        per_group = choice.view(choice.shape[0], n_group, -1)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)  # [n, groups]
+        choice = choice.masked_fill(~_group_mask(choice, group_scores, int(topk_group or n_group)), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 class Experts(nn.Module):
