@@ -23,6 +23,7 @@ from typing import Any
 
 from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar
+from radixlang.constrained.reasoning import FreeTextMasks
 from radixlang.constrained.json_regex import ANY_JSON_MARKER, ascii_digits, json_schema_to_regex
 from radixlang.constrained.schema_policy import check_whitespace_pattern, prepare_schema
 from radixlang.constrained.structural_tag import forced_tag_regex, normalize_structural_tag, parse_structural_tag
@@ -86,6 +87,18 @@ class GrammarCompiler:
         self._vocab_lock = threading.Lock()
         self.vocabulary_build_s = 0.0
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar")
+        self._free_text: dict[str, FreeTextMasks] = {}
+
+    def free_text_masks(self, marker: str) -> FreeTextMasks:
+        """The reasoning-part masks for an end-of-reasoning marker (built once per marker); ValueError
+        when the tokenizer cannot spell it."""
+        with self._lock:
+            masks = self._free_text.get(marker)
+        if masks is None:
+            masks = FreeTextMasks(self.tokenizer_info, marker)
+            with self._lock:
+                masks = self._free_text.setdefault(marker, masks)
+        return masks
 
     # ---- public API -------------------------------------------------------
 
