@@ -35,6 +35,7 @@ class ChatOutput:
         elif reasoning_parser == "gpt-oss" and separate_reasoning:
             self.tools = GptOssParser(set())  # harmony markers around the content: read it out, no calls
         self.parallel = parallel
+        self.forced = forced  # the grammar allows nothing but calls: text outside them is a call cut short
         self.has_calls = False
 
     def message(self, text: str) -> dict[str, Any]:
@@ -50,7 +51,7 @@ class ChatOutput:
             return msg
         parsed = self.tools.parse(rest)
         calls = parsed.calls if self.parallel else parsed.calls[:1]
-        msg["content"] = parsed.content
+        msg["content"] = None if self.forced else parsed.content
         if calls:
             self.has_calls = True
             msg["tool_calls"] = [c.to_openai() for c in calls]
@@ -70,7 +71,7 @@ class ChatOutput:
                 out["content"] = rest
             return out
         d = self.tools.parse_delta(rest, final=final)
-        if d.content:
+        if d.content and not self.forced:
             out["content"] = d.content
         calls = [c for c in d.tool_calls if self.parallel or c["index"] == 0]
         if calls:

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlang.runtime.managers.detokenizer import stop_holdback
+
 
 @dataclass
 class PartialCall:
@@ -127,15 +129,8 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def marker_holdback(text: str, markers: tuple[str, ...] | list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a marker (it may yet become one)."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
+# the text a parser holds back (a suffix that may yet become a marker) follows the detokenizer's stop-string rule
+marker_holdback = stop_holdback
 
 
 # ---- partial JSON -------------------------------------------------------------------------------
