@@ -24,6 +24,10 @@ Scheduler recipe (one compiler per tokenizer, built at startup)::
     except ValueError as e:                     # bad grammar or GrammarCompileTimeout
         finish(req, abort, message=str(e))
 
+    # constrain_after (reasoning-aware grammars): free text until the marker, then the grammar
+    if params.constrain_after:
+        req.grammar = ReasoningGrammar(req.grammar, compiler.free_text_masks(params.constrain_after))
+
     # every decode/extend step that samples
     bitmask = allocate_token_bitmask(bs, vocab_size, device)  # or reuse one buffer + fill_full()
     for row, req in enumerate(batch):
@@ -55,12 +59,14 @@ from __future__ import annotations
 from radixlang.constrained.compiler import BACKENDS, GrammarCompiler, GrammarCompileTimeout
 from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar, Grammar, pack_token_ids
+from radixlang.constrained.reasoning import FreeTextMasks, ReasoningGrammar
 from radixlang.constrained.json_regex import any_json_object_regex, any_json_value_regex, json_schema_to_regex
 from radixlang.constrained.state import GrammarState
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 __all__ = [
-    "BACKENDS", "CompiledGrammar", "Grammar", "GrammarCompileTimeout", "GrammarCompiler", "GrammarState",
+    "BACKENDS", "CompiledGrammar", "FreeTextMasks", "Grammar", "GrammarCompileTimeout", "GrammarCompiler",
+    "GrammarState", "ReasoningGrammar",
     "TokenizerInfo", "UnsupportedGrammar", "any_json_object_regex", "any_json_value_regex",
     "json_schema_to_regex", "pack_token_ids",
 ]

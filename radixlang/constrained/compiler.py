@@ -1,6 +1,7 @@
 """GrammarCompiler: (kind, spec) -> a compiled grammar of one backend, cached LRU, sync or on worker threads.
 
-Backends: ``outlines`` (outlines-core: regex and JSON schema through a regex),
+Backends: ``outlines`` (outlines-core: regex and JSON schema through a regex, and forced
+structural tags, which are regular too),
 ``xgrammar`` and ``llguidance`` (regex, JSON schema, EBNF, structural tags).
 Every compiled grammar has ``new_grammar()`` -> the per-request state with one
 interface (constrained.grammar.Grammar / constrained.library_grammar.MatcherGrammar).
@@ -22,9 +23,10 @@ from typing import Any
 
 from radixlang.constrained.errors import UnsupportedGrammar
 from radixlang.constrained.grammar import CompiledGrammar
+from radixlang.constrained.reasoning import FreeTextMasks
 from radixlang.constrained.json_regex import ANY_JSON_MARKER, ascii_digits, json_schema_to_regex
-from radixlang.constrained.schema_policy import prepare_schema
-from radixlang.constrained.structural_tag import normalize_structural_tag, parse_structural_tag
+from radixlang.constrained.schema_policy import check_whitespace_pattern, prepare_schema
+from radixlang.constrained.structural_tag import forced_tag_regex, normalize_structural_tag, parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 GrammarKey = tuple[str, "str | None"]
@@ -33,6 +35,14 @@ BACKENDS = ("outlines", "xgrammar", "llguidance")
 BACKEND_KINDS = {"outlines": ("regex", "json"), "xgrammar": KINDS, "llguidance": KINDS}
 # the request field each kind comes from (SamplingParams), named in a refusal
 KIND_PARAM = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf", "structural_tag": "structural_tag"}
+
+
+def _is_forced_tag(spec: Any) -> bool:
+    """A structural tag with ``forced: true`` (regular, so outlines takes it); False when it can't be read."""
+    try:
+        return parse_structural_tag(spec).forced
+    except ValueError:
+        return False
 
 
 class GrammarCompileTimeout(TimeoutError, ValueError):
@@ -65,6 +75,7 @@ class GrammarCompiler:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.tokenizer_info = tokenizer_info
         self.cache_size = cache_size
+        check_whitespace_pattern(backend, whitespace_pattern)  # a pattern the backend can't write: refused now
         self.whitespace_pattern = whitespace_pattern
         self.max_states = max_states
         self.timeout_s = timeout_s
@@ -76,6 +87,18 @@ class GrammarCompiler:
         self._vocab_lock = threading.Lock()
         self.vocabulary_build_s = 0.0
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar")
+        self._free_text: dict[str, FreeTextMasks] = {}
+
+    def free_text_masks(self, marker: str) -> FreeTextMasks:
+        """The reasoning-part masks for an end-of-reasoning marker (built once per marker); ValueError
+        when the tokenizer cannot spell it."""
+        with self._lock:
+            masks = self._free_text.get(marker)
+        if masks is None:
+            masks = FreeTextMasks(self.tokenizer_info, marker)
+            with self._lock:
+                masks = self._free_text.setdefault(marker, masks)
+        return masks
 
     # ---- public API -------------------------------------------------------
 
@@ -122,7 +145,7 @@ class GrammarCompiler:
     def _check_key(self, kind: str, spec: str | None) -> GrammarKey:
         if kind not in KINDS:
             raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
-        if kind not in BACKEND_KINDS[self.backend]:
+        if kind not in BACKEND_KINDS[self.backend] and not (kind == "structural_tag" and _is_forced_tag(spec)):
             raise UnsupportedGrammar(f"{kind} grammars are not supported by the {self.backend} grammar backend "
                                      f"(it takes {', '.join(BACKEND_KINDS[self.backend])}; "
                                      f"xgrammar and llguidance take all of {', '.join(KINDS)})", KIND_PARAM[kind])
@@ -229,6 +252,12 @@ class GrammarCompiler:
         if kind == "regex":
             # \d means ASCII digits, as in xgrammar and in what users of phone/date patterns expect
             regex = ascii_digits(spec)
+        elif kind == "structural_tag":  # a forced tag (the only kind _check_key lets through here)
+            tag = parse_structural_tag(spec)
+            bodies = [json_schema_to_regex(json.dumps(prepare_schema(s.schema, self.backend, "structural_tag")),
+                                           whitespace_pattern=self.whitespace_pattern, any_depth=self.any_json_depth)
+                      for s in tag.structures]
+            regex = forced_tag_regex(tag, bodies)
         else:
             schema = None if spec is None else json.dumps(self._schema(spec))
             regex = json_schema_to_regex(schema, whitespace_pattern=self.whitespace_pattern,

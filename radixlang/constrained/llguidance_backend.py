@@ -3,6 +3,7 @@ structural tags."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import llguidance as llg
@@ -60,6 +61,11 @@ class LLGuidanceGrammar(MatcherGrammar):
         return bytes(self.matcher.compute_ff_bytes())
 
 
+def _lark_str(text: str) -> str:
+    """A Lark string literal for text (nothing for the empty string)."""
+    return json.dumps(text) if text else ""
+
+
 class _Handle:
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         self.tokenizer, self.grammar = tokenizer, grammar
@@ -76,23 +82,33 @@ class LLGuidanceBackend:
         self._base = spellable_mask(info)
         self.whitespace_pattern = whitespace_pattern
 
+    def json_options(self) -> dict[str, Any]:
+        """llguidance's JSON options: compact separators, or whitespace_pattern between every JSON token."""
+        if self.whitespace_pattern is None:
+            return JSON_OPTIONS
+        return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern,
+                "item_separator": ",", "key_separator": ":"}
+
     def build(self, kind: str, spec: str | None, schema: Any = None) -> MatcherCompiled:
         if kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(spec)
         elif kind == "json":
             grammar = llg.LLMatcher.grammar_from_json_schema(
-                {"type": "object"} if schema is None else schema, overrides=JSON_OPTIONS)
+                {"type": "object"} if schema is None else schema, overrides=self.json_options())
         elif kind == "ebnf":
             try:
                 lark = any_to_lark(spec)  # GBNF (root ::= ...) is converted, Lark passes through
             except Exception as e:  # the converter raises bare exceptions for GBNF it can't read
                 raise ValueError(f"invalid ebnf grammar for llguidance: {str(e)[:300]}") from None
             grammar = llg.LLMatcher.grammar_from_lark(lark)
+        elif parse_structural_tag(spec).forced:  # type: ignore[arg-type]
+            grammar = self._forced_tag(spec)
         else:
-            tag = parse_structural_tag(spec)
+            tag = parse_structural_tag(spec)  # type: ignore[arg-type]
             schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
+            options = self.json_options()
             tags = [llg.StructTag(trigger=tag.trigger_of(s), begin=s.begin, end=s.end,
-                                  grammar={**(schema if isinstance(schema, dict) else {}), "x-guidance": JSON_OPTIONS})
+                                  grammar={**(schema if isinstance(schema, dict) else {}), "x-guidance": options})
                     for s, schema in zip(tag.structures, schemas) if schema is not False]
             if not tags:
                 raise ValueError("invalid structural_tag grammar: every structure has the schema false")
@@ -103,3 +119,16 @@ class LLGuidanceBackend:
             raise ValueError(f"invalid {kind} grammar for llguidance: {message[:300]}")
         return MatcherCompiled(backend=self.name, kind=kind, spec=spec, handle=_Handle(self._tokenizer, grammar),
                                tokenizer_info=self.info, grammar_cls=LLGuidanceGrammar, base_mask=self._base)
+
+    def _forced_tag(self, spec: str | None) -> str:
+        """A forced structural tag as Lark: prefix, the structures (each a JSON body) joined by separator, suffix."""
+        tag = parse_structural_tag(spec)  # type: ignore[arg-type]
+        options = self.json_options()
+        rules = []
+        for i, s in enumerate(tag.structures):
+            schema = prepare_schema(s.schema, self.name, "structural_tag")
+            body = {**schema, "x-guidance": options} if isinstance(schema, dict) else schema
+            rules.append(f"call_{i}: {_lark_str(s.begin)} %json {json.dumps(body)} {_lark_str(s.end)}")
+        more = "" if tag.stop_after_first else f" ({_lark_str(tag.separator)} call)*"
+        return "\n".join([f"start: {_lark_str(tag.prefix)} call{more} {_lark_str(tag.suffix)}",
+                          "call: " + " | ".join(f"call_{i}" for i in range(len(rules))), *rules]) + "\n"

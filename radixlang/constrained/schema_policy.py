@@ -21,6 +21,7 @@ Two keywords get special handling before the check:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -263,3 +264,69 @@ def prepare_schema(schema: Any, backend: str, param: str = "json_schema") -> Any
         schema = exact_formats(schema)  # else the format itself is refused
     check_schema(schema, backend, param)
     return one_of_as_any_of(close_objects(schema))
+
+
+# ---- --constrained-json-whitespace-pattern ---------------------------------------------------------
+_JSON_WS = "[ \t\n\r]"
+
+
+def check_whitespace_pattern(backend: str, pattern: str | None) -> dict[str, Any]:
+    """How ``backend`` writes JSON whitespace matching ``pattern`` (between every two JSON tokens);
+    ValueError naming the backend when it cannot.
+
+    outlines and llguidance take any regex (outlines-core and llguidance lexemes: Rust regex syntax);
+    xgrammar has three whitespace modes only: none at all, any JSON whitespace, or up to N of it, so
+    the pattern must match exactly the same strings as "", ``[ \\t\\n\\r]*`` or ``[ \\t\\n\\r]{0,N}``.
+    Returns xgrammar's compile_json_schema keywords (empty for the other backends, and for None).
+    """
+    if pattern is None:
+        return {}
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"constrained_json_whitespace_pattern {pattern!r} is not a valid regex: {e}") from None
+    if backend != "xgrammar":
+        return {}
+    import interegular
+
+    try:
+        fsm = interegular.parse_pattern(pattern).to_fsm()
+    except Exception:  # noqa: BLE001 -- interegular reads a subset of regex syntax
+        fsm = None
+    if fsm is not None:
+        if fsm.equivalent(interegular.parse_pattern("").to_fsm()):
+            return {"any_whitespace": False, "separators": (",", ":")}
+        if fsm.equivalent(interegular.parse_pattern(_JSON_WS + "*").to_fsm()):
+            return {"any_whitespace": True}
+        longest = _longest_match(fsm)
+        if longest is not None and fsm.equivalent(interegular.parse_pattern(f"{_JSON_WS}{{0,{longest}}}").to_fsm()):
+            return {"any_whitespace": True, "max_whitespace_cnt": longest}
+    raise ValueError(f"the xgrammar grammar backend cannot use constrained_json_whitespace_pattern {pattern!r}: "
+                     f"it writes JSON with no whitespace (pattern ''), any JSON whitespace ({_JSON_WS}*) or up to N "
+                     f"of it ({_JSON_WS}{{0,N}}); outlines and llguidance take any regex")
+
+
+def _longest_match(fsm: Any, limit: int = 256) -> int | None:
+    """The length of the longest string the FSM accepts, None if unbounded or past ``limit``."""
+    states, longest = {fsm.initial}, 0
+    for length in range(1, limit + 2):
+        states = {nxt for s in states for nxt in fsm.map.get(s, {}).values()}
+        states = {s for s in states if _can_accept(fsm, s)}
+        if not states:
+            return longest
+        if any(s in fsm.finals for s in states):
+            longest = length
+    return None
+
+
+def _can_accept(fsm: Any, state: Any) -> bool:
+    seen, todo = {state}, [state]
+    while todo:
+        s = todo.pop()
+        if s in fsm.finals:
+            return True
+        for nxt in fsm.map.get(s, {}).values():
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False

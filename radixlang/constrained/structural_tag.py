@@ -8,6 +8,15 @@ The spec is SGLang's / xgrammar's::
 
 Every ``begin`` must start with one of the triggers. ``normalize_structural_tag``
 checks the shape and returns a canonical JSON string (the compile-cache key).
+
+A *forced* tag (radixlang's extension, what a forced tool call compiles to) has no
+free text at all: the reply is ``prefix``, one or more structures joined by
+``separator`` (exactly one with ``stop_after_first``), then ``suffix``; its
+triggers may be omitted::
+
+    {"type": "structural_tag", "forced": true, "separator": "\n", "stop_after_first": false,
+     "structures": [{"begin": "<tool_call>\n{\"name\": \"f\", \"arguments\": ", "schema": {...},
+                     "end": "}\n</tool_call>"}]}
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ class Structure:
 class StructuralTagSpec:
     structures: tuple[Structure, ...]
     triggers: tuple[str, ...]
+    forced: bool = False  # no free text: prefix, structures joined by separator, suffix
+    prefix: str = ""
+    separator: str = ""
+    suffix: str = ""
+    stop_after_first: bool = False
 
     def trigger_of(self, structure: Structure) -> str:
         """The longest trigger ``structure.begin`` starts with."""
@@ -51,15 +65,23 @@ def parse_structural_tag(spec: str | dict) -> StructuralTagSpec:
             raise _fail(f"must be valid JSON: {e}") from None
     if not isinstance(spec, dict):
         raise _fail(f"must be a JSON object, got {type(spec).__name__}")
-    unknown = set(spec) - {"type", "structures", "triggers"}
+    unknown = set(spec) - {"type", "structures", "triggers", *_FORCED_FIELDS}
     if unknown:
-        raise _fail(f"unknown field(s) {sorted(unknown)}: expected type, structures, triggers")
+        raise _fail(f"unknown field(s) {sorted(unknown)}: expected type, structures, triggers "
+                    f"(and for a forced tag {', '.join(_FORCED_FIELDS)})")
     if spec.get("type", "structural_tag") != "structural_tag":
         raise _fail(f"type must be 'structural_tag', got {spec.get('type')!r}")
-    structures, triggers = spec.get("structures"), spec.get("triggers")
+    forced = spec.get("forced", False)
+    if not isinstance(forced, bool):
+        raise _fail(f"forced must be a bool, got {forced!r}")
+    extra = _forced_fields(spec) if forced else {}
+    if not forced and set(spec) & set(_FORCED_FIELDS[1:]):
+        raise _fail(f"{sorted(set(spec) & set(_FORCED_FIELDS[1:]))[0]} needs forced: true")
+    structures, triggers = spec.get("structures"), spec.get("triggers", [] if forced else None)
     if not isinstance(structures, list) or not structures:
         raise _fail("structures must be a non-empty list of {begin, schema, end}")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+    if not isinstance(triggers, list) or (not triggers and not forced) or not all(
+            isinstance(t, str) and t for t in triggers):
         raise _fail("triggers must be a non-empty list of non-empty strings")
     out: list[Structure] = []
     for i, s in enumerate(structures):
@@ -75,15 +97,53 @@ def parse_structural_tag(spec: str | dict) -> StructuralTagSpec:
                 raise _fail(f"structures[{i}].schema must be a JSON schema: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise _fail(f"structures[{i}].schema must be a JSON schema object, got {type(schema).__name__}")
-        if not any(begin.startswith(t) for t in triggers):
+        if not forced and not any(begin.startswith(t) for t in triggers):
             raise _fail(f"structures[{i}].begin {begin!r} starts with none of the triggers {triggers}")
         out.append(Structure(begin, schema, end))
-    return StructuralTagSpec(tuple(out), tuple(triggers))
+    return StructuralTagSpec(tuple(out), tuple(triggers), forced=forced, **extra)
+
+
+_FORCED_FIELDS = ("forced", "prefix", "separator", "suffix", "stop_after_first")
+
+
+def _forced_fields(spec: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("prefix", "separator", "suffix"):
+        value = spec.get(name, "")
+        if not isinstance(value, str):
+            raise _fail(f"{name} must be a string, got {value!r}")
+        out[name] = value
+    stop = spec.get("stop_after_first", False)
+    if not isinstance(stop, bool):
+        raise _fail(f"stop_after_first must be a bool, got {stop!r}")
+    out["stop_after_first"] = stop
+    return out
 
 
 def normalize_structural_tag(spec: str | dict) -> str:
     """Canonical JSON text of a checked structural tag (sorted keys: equal tags share a cache entry)."""
     parsed = parse_structural_tag(spec)
-    return json.dumps({"type": "structural_tag", "triggers": list(parsed.triggers),
-                       "structures": [{"begin": s.begin, "schema": s.schema, "end": s.end}
-                                      for s in parsed.structures]}, sort_keys=True, ensure_ascii=False)
+    out: dict[str, Any] = {"type": "structural_tag", "triggers": list(parsed.triggers),
+                           "structures": [{"begin": s.begin, "schema": s.schema, "end": s.end}
+                                          for s in parsed.structures]}
+    if parsed.forced:
+        out.update(forced=True, prefix=parsed.prefix, separator=parsed.separator, suffix=parsed.suffix,
+                   stop_after_first=parsed.stop_after_first)
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (in both Python's and outlines-core's syntax)."""
+    return "".join(f"\\{c}" if c in _REGEX_META else _REGEX_CONTROL.get(c, c) for c in text)
+
+
+_REGEX_META = set("\\.^$|?*+()[]{}-")
+_REGEX_CONTROL = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def forced_tag_regex(tag: StructuralTagSpec, body_regexes: list[str]) -> str:
+    """The regex of a forced tag, given each structure's body regex (the outlines backend's form)."""
+    one = "(" + "|".join(regex_literal(s.begin) + f"({body})" + regex_literal(s.end)
+                         for s, body in zip(tag.structures, body_regexes)) + ")"
+    calls = one if tag.stop_after_first else f"{one}({regex_literal(tag.separator)}{one})*"
+    return regex_literal(tag.prefix) + calls + regex_literal(tag.suffix)

@@ -9,7 +9,7 @@ import torch
 import xgrammar as xg
 
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
-from radixlang.constrained.schema_policy import prepare_schema
+from radixlang.constrained.schema_policy import check_whitespace_pattern, prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
@@ -48,9 +48,10 @@ class XGrammarBackend:
                                          stop_token_ids=list(info.eos_token_ids))
         self._compiler = xg.GrammarCompiler(self._xg_info, max_threads=num_threads, cache_enabled=False)
         self._base = spellable_mask(info)
-        # None: compact JSON with one optional space after ',' and ':' is not expressible; xgrammar's
-        # any_whitespace=False writes ", " and ": " (its default separators), which is valid JSON
+        # None: xgrammar's any_whitespace=False, which writes ", " and ": " (its default separators); a
+        # pattern maps onto one of xgrammar's whitespace modes or is refused (schema_policy)
         self.whitespace_pattern = whitespace_pattern
+        self._json_kwargs = check_whitespace_pattern(self.name, whitespace_pattern) or {"any_whitespace": False}
 
     def build(self, kind: str, spec: str | None, schema: Any = None) -> MatcherCompiled:
         try:
@@ -58,19 +59,30 @@ class XGrammarBackend:
                 handle = self._compiler.compile_regex(spec)
             elif kind == "json":
                 handle = (self._compiler.compile_builtin_json_grammar() if schema is None
-                          else self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                                  strict_mode=True))
+                          else self._compiler.compile_json_schema(json.dumps(schema), strict_mode=True,
+                                                                  **self._json_kwargs))
             elif kind == "ebnf":
                 handle = self._compiler.compile_grammar(spec)
             else:
-                tag = parse_structural_tag(spec)
-                schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
-                items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(schema), end=s.end)
-                         for s, schema in zip(tag.structures, schemas)]
-                handle = self._compiler.compile_structural_tag(
-                    xg.StructuralTag.from_legacy_structural_tag(items, list(tag.triggers)))
+                handle = self._compiler.compile_structural_tag(self._structural_tag(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"invalid {kind} grammar for xgrammar: {message[:300]}") from None
         return MatcherCompiled(backend=self.name, kind=kind, spec=spec, handle=handle, tokenizer_info=self.info,
                                grammar_cls=XGrammarGrammar, base_mask=self._base)
+
+    def _structural_tag(self, spec: str | None) -> Any:
+        tag = parse_structural_tag(spec)  # type: ignore[arg-type]
+        schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
+        if not tag.forced:
+            items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(schema), end=s.end)
+                     for s, schema in zip(tag.structures, schemas)]
+            return xg.StructuralTag.from_legacy_structural_tag(items, list(tag.triggers))
+        st = xg.structural_tag
+        tags = [st.TagFormat(begin=s.begin, content=st.JSONSchemaFormat(json_schema=schema), end=s.end)
+                for s, schema in zip(tag.structures, schemas)]
+        calls = st.TagsWithSeparatorFormat(tags=tags, separator=tag.separator, at_least_one=True,
+                                           stop_after_first=tag.stop_after_first)
+        parts = [st.ConstStringFormat(value=tag.prefix)] if tag.prefix else []
+        parts += [calls] + ([st.ConstStringFormat(value=tag.suffix)] if tag.suffix else [])
+        return st.StructuralTag(format=parts[0] if len(parts) == 1 else st.SequenceFormat(elements=parts))

@@ -58,8 +58,9 @@ class ServerArgs:
                                             "the most: bench/constrained.py)",
                               ("outlines", "xgrammar", "llguidance"))
     disable_jump_forward: bool = _f(False, "decode forced grammar continuations token by token")
-    constrained_json_whitespace_pattern: str | None = _f(None, "regex for whitespace allowed in JSON output "
-                                                               "(outlines backend only)")
+    constrained_json_whitespace_pattern: str | None = _f(None, "regex for the whitespace allowed between JSON tokens "
+                                                               "(outlines, llguidance: any regex; xgrammar: '', "
+                                                               "[ \\t\\n\\r]* or [ \\t\\n\\r]{0,N})")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
     # speculative decoding
     speculative_algorithm: str | None = _f(None, "draft tokens and check them in one forward: ngram drafts the "
@@ -129,6 +130,9 @@ class ServerArgs:
                              f"got {self.page_size}")
         self._check_parallel()
         self._check_speculative()
+        if self.constrained_json_whitespace_pattern is not None:  # refused at start if the backend can't write it
+            from radixlang.constrained.schema_policy import check_whitespace_pattern
+            check_whitespace_pattern(self.grammar_backend, self.constrained_json_whitespace_pattern)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template must be a Jinja template file, got {self.chat_template!r} (no such file)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

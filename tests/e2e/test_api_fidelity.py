@@ -145,11 +145,12 @@ def _sse_deltas(r):
 
 def test_reasoning_and_tool_call_from_a_constrained_reply_whole_and_streamed(server):
     # the regex makes the random-weight model write a qwen3 reply: reasoning, then a hermes tool call
+    # (enable_thinking false: a grammar then applies from the reply's start, not after </think>)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     regex = (r'<think>[a-z]{3,8}</think>ok<tool_call>\{"name": "get_weather", '
              r'"arguments": \{"city": "[a-z]{2,6}"\}\}</tool_call>')
     body = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 80, "temperature": 0,
-            "tools": [tool], "regex": regex}
+            "tools": [tool], "regex": regex, "chat_template_kwargs": {"enable_thinking": False}}
     r = server.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

@@ -46,13 +46,38 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 def test_forced_call_streams_name_then_argument_pieces():
-    text = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'  # the parser's own format
     out = _out(forced=True)
     entries = [e for k in range(0, len(text), 3) for e in out.delta(text[k:k + 3], final=k + 3 >= len(text))
                .get("tool_calls", [])]
     assert entries[0]["function"]["name"] == "add" and entries[0]["id"].startswith("call_")
     assert "".join(e["function"]["arguments"] for e in entries) == '{"a": 1, "b": 2}'
     assert len(entries) > 2
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral", "deepseekv3", "gpt-oss", "pythonic"])
+def test_forced_tag_is_what_the_parser_reads(parser):
+    """A reply written as the forced tag spells it parses, whole and streamed, into the calls."""
+    from radixlang.constrained.structural_tag import parse_structural_tag
+
+    out = _out(tool_parser=parser, forced=True)
+    tag = parse_structural_tag(out.forced_tag([("get_weather", {"type": "object"}), ("add", {"type": "object"})]))
+    assert tag.forced and not tag.stop_after_first
+    by_name = {s.begin: s for s in tag.structures}
+    calls = [("add", '{"a": 1}'), ("get_weather", '{"city": "Nice"}')]
+    text = tag.prefix + tag.separator.join(
+        next(s.begin + args + s.end for b, s in by_name.items() if name in b) for name, args in calls) + tag.suffix
+    msg = out.message(text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        (n, json.loads(a)) for n, a in calls], text
+    streamed = _out(tool_parser=parser, forced=True)
+    args: dict[int, str] = {}
+    for k in range(0, len(text), 5):
+        for e in streamed.delta(text[k:k + 5], final=k + 5 >= len(text)).get("tool_calls", []):
+            args[e["index"]] = args.get(e["index"], "") + e["function"]["arguments"]
+    assert [json.loads(a) for a in args.values()] == [json.loads(a) for _, a in calls]
+    one = _out(tool_parser=parser, forced=True, parallel=False)
+    assert parse_structural_tag(one.forced_tag([("add", {"type": "object"})])).stop_after_first
 
 
 class _Tok:

@@ -2,15 +2,19 @@
 
 Text is emitted only once it is stable: a token sequence whose decoding ends
 in a broken UTF-8 character (U+FFFD) waits for the next token, and text that
-could be the start of a stop string is held back until it is known not to be
-one. At finish, the text is cut before the matched stop string unless
-``no_stop_trim``.
+could be the start of a stop string, or of a stop_regex match (a partial match
+running to the end of the text), is held back until it is known not to be
+one. At finish, the text is cut before the matched stop string or regex match
+unless ``no_stop_trim``, so a stream's text adds up to the whole reply's.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import regex
 
 from radixlang.runtime.managers.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
 
@@ -57,8 +61,9 @@ class IncrementalDecoder:
         return st.text
 
 
-def stop_holdback(text: str, stop_strs: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+def stop_holdback(text: str, stop_strs: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string (it may yet become one;
+    the tool-call and reasoning parsers hold back their markers by the same rule)."""
     best = 0
     for s in stop_strs:
         for k in range(min(len(s) - 1, len(text)), best, -1):
@@ -66,6 +71,20 @@ def stop_holdback(text: str, stop_strs: list[str]) -> int:
                 best = k
                 break
     return best
+
+
+def stop_regex_holdback(text: str, patterns: list[str], start: int = 0) -> int:
+    """Length of the tail of text, from the earliest place at or after ``start`` where a match of one
+    of ``patterns`` begins or may yet begin (a partial match that runs to the end of the text)."""
+    cut = len(text)
+    for pattern in patterns:
+        try:
+            m = regex.search(pattern, text, pos=start, partial=True)
+        except regex.error:  # valid for re (checked at admission) but not for regex: no hold-back
+            continue
+        if m is not None and m.start() < cut:
+            cut = m.start()
+    return len(text) - cut
 
 
 def trim_at_stop_regex(text: str, pattern: str, start: int = 0) -> str:
@@ -104,8 +123,11 @@ class DetokenizerManager:
             finished = out.finished_reasons[i]
             text = dec.append(out.output_ids[i], final=finished is not None)
             stops = out.stop_strs[i]
+            patterns = out.stop_regexes[i] if i < len(out.stop_regexes) else []
             if finished is None:
                 visible = len(text) - stop_holdback(text, stops) if stops else len(text)
+                if patterns:
+                    visible = min(visible, len(text) - stop_regex_holdback(text, patterns, dec.state.sent_len))
             else:
                 reason = FinishReason.from_dict(finished)
                 if not out.no_stop_trim[i] and reason.kind == "stop" and isinstance(reason.matched, str):

@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from radixlang.constrained import GrammarCompiler, TokenizerInfo
+from radixlang.constrained import GrammarCompiler, ReasoningGrammar, TokenizerInfo, UnsupportedGrammar
 from radixlang.runtime.managers.schedule_batch import Req
 from radixlang.runtime.managers.scheduler_output import OutputCollector
 from radixlang.runtime.sampling.sampling_params import SamplingParams
@@ -44,14 +44,20 @@ class GrammarWaits:
         """Start compiling the request's grammar; None when it has none.
 
         A kind, schema keyword or format the backend does not enforce fails the future at once
-        with an UnsupportedGrammar (a ValueError whose ``param`` names the field: a 400).
+        with an UnsupportedGrammar (a ValueError whose ``param`` names the field: a 400), and so
+        does a ``constrain_after`` marker the tokenizer cannot spell.
         """
         if params.grammar_key is None:
             return None
+        if params.constrain_after is not None:
+            try:
+                self.compiler.free_text_masks(params.constrain_after)
+            except ValueError as e:
+                raise UnsupportedGrammar(f"the grammar cannot start after the reasoning: {e}", "constrain_after") \
+                    from None
         return self.compiler.compile_async(*params.grammar_key)
 
-    @staticmethod
-    def poll(waiting: list[Req], outputs: OutputCollector) -> list[Future[Any]]:
+    def poll(self, waiting: list[Req], outputs: OutputCollector) -> list[Future[Any]]:
         """Attach compiled grammars to waiting requests; fail those whose grammar did not compile.
 
         Returns the futures still compiling.
@@ -65,7 +71,11 @@ class GrammarWaits:
                 pending.append(fut)
                 continue
             try:
-                req.grammar = fut.result().new_grammar()
+                grammar = fut.result().new_grammar()
+                marker = req.sampling_params.constrain_after
+                # reasoning-aware: free text until the marker, then the grammar (one state per request)
+                req.grammar = grammar if marker is None else ReasoningGrammar(
+                    grammar, self.compiler.free_text_masks(marker))
             except Exception as e:  # noqa: BLE001 -- a bad or too slow grammar fails only its own request
                 waiting.remove(req)
                 outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len, param=getattr(e, "param", None))

@@ -155,6 +155,7 @@ class BatchTokenIDOut:
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
     stop_strs: list[list[str]]
+    stop_regexes: list[list[str]] = field(default_factory=list)  # per request (may be empty: none)
     # logprobs: per request None or [(logprob, token_id), ...] and top-k lists
     output_token_logprobs: list[list[list[float | int]] | None] = field(default_factory=list)
     output_top_logprobs: list[list[list[list[float | int]]] | None] = field(default_factory=list)

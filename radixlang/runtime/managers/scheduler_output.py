@@ -44,6 +44,7 @@ class OutputCollector:
                 out.spaces_between_special_tokens.append(True)
                 out.no_stop_trim.append(False)
                 out.stop_strs.append([])
+                out.stop_regexes.append([])
                 out.output_token_logprobs.append(None)
                 out.output_top_logprobs.append(None)
                 out.input_token_logprobs.append(None)
@@ -62,6 +63,7 @@ class OutputCollector:
             out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
             out.no_stop_trim.append(p.no_stop_trim)
             out.stop_strs.append(list(p.stop))
+            out.stop_regexes.append(list(p.stop_regex))
             if req.return_logprob:
                 out.output_token_logprobs.append(req.output_token_logprobs[start:])
                 out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)

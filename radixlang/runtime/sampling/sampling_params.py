@@ -48,6 +48,8 @@ class SamplingParams:
     # regexes: generation stops once the output text matches one; the text is cut before the match
     stop_regex: list[str] = field(default_factory=list)
     structural_tag: str | None = None  # {"type": "structural_tag", "structures": [...], "triggers": [...]}
+    # the end-of-reasoning marker (e.g. "</think>"): the grammar applies only after it, free text before
+    constrain_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_regex, str):
@@ -116,6 +118,13 @@ class SamplingParams:
         for name in given:
             if not isinstance(getattr(self, name), str):
                 raise RequestError(f"{name} must be a string, got {type(getattr(self, name)).__name__}", name)
+        if self.constrain_after is not None:
+            if not isinstance(self.constrain_after, str) or not self.constrain_after:
+                raise RequestError(f"constrain_after must be a non-empty string, got {self.constrain_after!r}",
+                                   "constrain_after")
+            if not given:
+                raise RequestError(f"constrain_after needs a grammar ({', '.join(_GRAMMAR_FIELDS)})",
+                                   "constrain_after")
         if self.json_schema is not None and self.json_schema != ANY_JSON:
             try:
                 json.loads(self.json_schema)

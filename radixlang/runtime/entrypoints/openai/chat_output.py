@@ -12,11 +12,12 @@ from typing import Any
 from radixlang.runtime.entrypoints.openai.reasoning_parser import ReasoningParser, make_reasoning_parser
 from radixlang.runtime.entrypoints.openai.tool_parsers import ToolParser, make_tool_parser
 from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser
-from radixlang.runtime.entrypoints.openai.tool_parsers.llama3 import Llama3JsonParser
+from radixlang.runtime.entrypoints.openai.tool_parsers.llama3 import BareJsonParser
 
 
 class ChatOutput:
-    """Parsers for one choice; ``forced``: the whole reply is the grammar-forced ``{"name", "arguments"}`` JSON."""
+    """Parsers for one choice; ``forced``: the reply is nothing but grammar-forced calls in the tool-call
+    parser's own format (``forced_tag``), or as bare JSON objects for a format without JSON arguments."""
 
     def __init__(self, *, tool_parser: str | None, reasoning_parser: str | None, chat_template: str | None,
                  tool_names: set[str], forced: bool, parallel: bool, separate_reasoning: bool = True,
@@ -26,12 +27,15 @@ class ChatOutput:
             make_reasoning_parser(reasoning_parser) if reasoning_parser and separate_reasoning else None)
         self.tools: ToolParser | None = None
         if forced:
-            self.tools = Llama3JsonParser(tool_names)
+            self.tools = make_tool_parser(tool_parser or "auto", chat_template, tool_names)
+            if self.tools.call_end is None:
+                self.tools = BareJsonParser(tool_names)
         elif tool_names and tool_parser:
             self.tools = make_tool_parser(tool_parser, chat_template, tool_names)
         elif reasoning_parser == "gpt-oss" and separate_reasoning:
             self.tools = GptOssParser(set())  # harmony markers around the content: read it out, no calls
         self.parallel = parallel
+        self.forced = forced  # the grammar allows nothing but calls: text outside them is a call cut short
         self.has_calls = False
 
     def message(self, text: str) -> dict[str, Any]:
@@ -47,7 +51,7 @@ class ChatOutput:
             return msg
         parsed = self.tools.parse(rest)
         calls = parsed.calls if self.parallel else parsed.calls[:1]
-        msg["content"] = parsed.content
+        msg["content"] = None if self.forced else parsed.content
         if calls:
             self.has_calls = True
             msg["tool_calls"] = [c.to_openai() for c in calls]
@@ -67,13 +71,20 @@ class ChatOutput:
                 out["content"] = rest
             return out
         d = self.tools.parse_delta(rest, final=final)
-        if d.content:
+        if d.content and not self.forced:
             out["content"] = d.content
         calls = [c for c in d.tool_calls if self.parallel or c["index"] == 0]
         if calls:
             self.has_calls = True
             out["tool_calls"] = calls
         return out
+
+    def forced_tag(self, tools: list[tuple[str, Any]]) -> dict[str, Any]:
+        """The structural tag forcing calls of the (name, parameters schema) ``tools`` in this choice's format."""
+        assert self.tools is not None
+        tag = self.tools.forced_tag(tools, parallel=self.parallel)
+        assert tag is not None  # a format without JSON arguments was replaced by BareJsonParser
+        return tag
 
     def _clean(self, text: str) -> str:
         for token in self.drop:

@@ -2,7 +2,8 @@
 
 Requests are pydantic models that forbid unknown fields (as OpenAI does), so a
 bad field is a 400 naming it. ``to_sampling`` maps one onto SGLang sampling
-params; response_format and tool_choice become a json_schema constraint.
+params; response_format becomes a json_schema constraint (a forced tool_choice a structural tag, made by
+the serving layer in the tool-call parser's format).
 """
 from __future__ import annotations
 
@@ -121,8 +122,9 @@ _SGLANG_PASSTHROUGH = ("temperature", "top_p", "frequency_penalty", "presence_pe
                        "regex", "json_schema", "stop_regex", "logit_bias")
 
 
-def to_sampling(req: CompletionRequest | ChatRequest, constraint: str | None) -> dict[str, Any]:
-    """SGLang sampling params for one choice (n is expanded by the caller)."""
+def to_sampling(req: CompletionRequest | ChatRequest, constraint: tuple[str, str] | None) -> dict[str, Any]:
+    """SGLang sampling params for one choice (n is expanded by the caller); ``constraint``: the
+    (sampling param, value) that response_format or a forced tool call imposes."""
     params: dict[str, Any] = {name: getattr(req, name) for name in _SGLANG_PASSTHROUGH
                               if getattr(req, name) is not None}
     max_tokens = getattr(req, "max_completion_tokens", None)
@@ -139,7 +141,7 @@ def to_sampling(req: CompletionRequest | ChatRequest, constraint: str | None) ->
         given = [name for name in ("regex", "json_schema") if name in params]
         if given:
             raise RequestError(f"{given[0]} cannot be combined with response_format or tool_choice", given[0])
-        params["json_schema"] = constraint
+        params[constraint[0]] = constraint[1]
     tag = structural_tag_constraint(req)
     if tag is not None:
         given = [name for name in ("regex", "json_schema") if name in params]
@@ -176,8 +178,9 @@ def active_tools(req: ChatRequest) -> list[Tool]:
     return list(req.tools)
 
 
-def chat_constraint(req: ChatRequest, tools: list[Tool]) -> str | None:
-    """The json_schema that response_format or a forced tool call imposes, or None."""
+def chat_constraint(req: ChatRequest, tools: list[Tool]) -> tuple[str, str] | None:
+    """("json_schema", schema) that response_format imposes, or None (a forced tool call's structural tag
+    is made by the serving layer, in the tool-call parser's format)."""
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto") and not req.tools:
         raise RequestError("tool_choice needs tools", "tool_choice")
     forced = bool(tools) and req.tool_choice not in (None, "auto")
@@ -185,7 +188,7 @@ def chat_constraint(req: ChatRequest, tools: list[Tool]) -> str | None:
     if forced and fmt is not None and fmt.type != "text":
         raise RequestError("response_format cannot be combined with a forced tool_choice", "response_format")
     if forced:
-        return json.dumps(_tool_call_schema(tools))
+        return None
     if fmt is None or fmt.type in ("text", "structural_tag"):
         return None
     if fmt.type == "json_schema":
@@ -194,14 +197,7 @@ def chat_constraint(req: ChatRequest, tools: list[Tool]) -> str | None:
         schema = fmt.json_schema.schema_
     else:
         schema = fmt.schema_
-    return ANY_JSON_MARKER if schema is None else json.dumps(schema)
-
-
-def _tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                 "arguments": t.function.parameters},
-                "required": ["name", "arguments"]} for t in tools]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return ("json_schema", ANY_JSON_MARKER if schema is None else json.dumps(schema))
 
 
 def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None, *,

@@ -23,6 +23,13 @@ class Split:
 class ReasoningParser:
     name = ""
     syntax: tuple[str, ...] = (THINK_OPEN, THINK_CLOSE)  # the markers it reads
+    # where the reasoning ends: a grammar constraint starts after it (None: no marker a grammar can wait for)
+    reasoning_end: str | None = THINK_CLOSE
+
+    @staticmethod
+    def thinks(template_kwargs: dict | None) -> bool:
+        """Whether the reply reasons (starts inside it), given the request's chat_template_kwargs."""
+        return True
 
     def __init__(self) -> None:
         self.text = ""
@@ -78,6 +85,10 @@ class Qwen3Parser(ReasoningParser):
     """Qwen3: reasoning only when the reply starts with <think> (enable_thinking=False: it does not)."""
     name = "qwen3"
 
+    @staticmethod
+    def thinks(template_kwargs: dict | None) -> bool:
+        return (template_kwargs or {}).get("enable_thinking", True) is not False
+
     def snapshot(self, text: str, *, final: bool) -> Split:
         lead = _leading_think(text, final=final)
         return Split("", text) if lead is None else lead
@@ -87,6 +98,7 @@ class GptOssReasoningParser(ReasoningParser):
     """gpt-oss: the analysis channel is the reasoning; every other message is kept, markers and all."""
     name = "gpt-oss"
     syntax = GptOssParser.syntax
+    reasoning_end = None  # the final channel's header follows the analysis message, not one marker
 
     def snapshot(self, text: str, *, final: bool) -> Split:
         reasoning, rest = "", ""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -12,6 +13,7 @@ from radixlang.runtime.entrypoints.http_common import (
     Front, chat_template_of, check_outputs, model_name, named_field, parse_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers
+from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
 from radixlang.runtime.entrypoints.openai.protocol import (
     ChatRequest, CompletionRequest, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
     completion_logprobs, echo_logprobs, envelope, finish_reason, to_sampling, usage,
@@ -42,16 +44,41 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     tools = active_tools(req)
     constraint = chat_constraint(req, tools)
     probe = _chat_output(engine, req, tools, drop=())
+    if _forced(req, tools):  # the calls in the parser's own format, arguments under each tool's schema
+        tag = probe.forced_tag([(t.function.name, t.function.parameters) for t in tools])
+        constraint = ("structural_tag", json.dumps(tag))
     prompt = chat_prompt(engine.tokenizer, req, tools, chat_template_of(engine) if engine.server_args.chat_template
                          else None, call_format=_call_format(req, tools, probe))
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling(req, constraint)
+    _constrain_after_reasoning(engine, req, params)
     keep, drop = keep_special_markers(probe, engine.tokenizer)
     if keep and req.skip_special_tokens is None:  # the format's markers are special tokens: decode them
         params["skip_special_tokens"] = False
     else:
         drop = ()
     return await _serve_openai(engine, req, [prompt], params, chat=True, tools=tools, top_logprobs=top, drop=drop)
+
+
+_GRAMMAR_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def _constrain_after_reasoning(engine: Front, req: ChatRequest, params: dict[str, Any]) -> None:
+    """With --reasoning-parser, a constraint (response_format, a forced tool call, regex ...) applies
+    only after the reasoning ends, free text before it (as SGLang's reasoning-aware grammars do)."""
+    name = engine.server_args.reasoning_parser
+    given = [p for p in _GRAMMAR_PARAMS if p in params]
+    if not name or not given:
+        return
+    parser = make_reasoning_parser(name)
+    if not parser.thinks(req.chat_template_kwargs):
+        return
+    if parser.reasoning_end is None:
+        field = "tool_choice" if given[0] == "structural_tag" and req.response_format is None else (
+            "response_format" if req.response_format is not None else given[0])
+        raise RequestError(f"a grammar constraint cannot be combined with --reasoning-parser {name}: its reasoning "
+                           "has no end marker a grammar can wait for", field)
+    params["constrain_after"] = parser.reasoning_end
 
 
 def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tuple[str, ...]) -> ChatOutput:
@@ -63,8 +90,6 @@ def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tu
 
 
 def _call_format(req: ChatRequest, tools: list[Tool], probe: ChatOutput) -> str:
-    if _forced(req, tools):  # the grammar forces the reply to be this JSON object
-        return '{"name": NAME, "arguments": {...}}'
     return probe.tools.example if probe.tools is not None else ""
 
 

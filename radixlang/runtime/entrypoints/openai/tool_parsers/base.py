@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlang.runtime.managers.detokenizer import stop_holdback
+
 
 @dataclass
 class PartialCall:
@@ -59,6 +61,10 @@ class ToolParser:
     syntax: tuple[str, ...] = ()  # every marker the format writes (kept in the text when they are special tokens)
     # how to call a tool in this format, told to a model whose chat template cannot render tools
     example = '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
+    # a forced call (tool_choice required / named) in this format: prefix, calls joined by the separator, suffix;
+    # each call is call_begin(name), the arguments as JSON, call_end (None: the format has no JSON arguments)
+    call_end: str | None = None
+    call_prefix = call_separator = call_suffix = ""
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names  # None: accept any name
@@ -71,7 +77,21 @@ class ToolParser:
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         raise NotImplementedError
 
+    def call_begin(self, name: str) -> str:
+        """The text of a call to ``name`` up to its JSON arguments."""
+        raise NotImplementedError
+
     # -- shared -----------------------------------------------------------------------------------
+    def forced_tag(self, tools: list[tuple[str, Any]], *, parallel: bool) -> dict[str, Any] | None:
+        """The forced structural tag of one or more calls (one unless ``parallel``) of the (name, parameters
+        schema) tools in this format, or None when the format has no JSON arguments."""
+        if self.call_end is None:
+            return None
+        return {"type": "structural_tag", "forced": True, "prefix": self.call_prefix,
+                "separator": self.call_separator, "suffix": self.call_suffix, "stop_after_first": not parallel,
+                "structures": [{"begin": self.call_begin(name), "schema": schema, "end": self.call_end}
+                               for name, schema in tools]}
+
     def parse(self, text: str) -> ParseResult:
         """The whole output at once."""
         snap = self._known(self.snapshot(text, final=True))
@@ -109,15 +129,8 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def marker_holdback(text: str, markers: tuple[str, ...] | list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a marker (it may yet become one)."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
+# the text a parser holds back (a suffix that may yet become a marker) follows the detokenizer's stop-string rule
+marker_holdback = stop_holdback
 
 
 # ---- partial JSON -------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ class DeepSeekV3Parser(ToolParser):
     markers = (CALLS_BEGIN,)
     syntax = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
     example = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}NAME\n```json\n{{...}}\n```{CALL_END}{CALLS_END}"
+    call_end, call_prefix, call_separator, call_suffix = "\n```" + CALL_END, CALLS_BEGIN, "\n", CALLS_END
+
+    def call_begin(self, name: str) -> str:
+        return f"{CALL_BEGIN}function{SEP}{name}\n{FENCE}\n"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(CALLS_BEGIN)

@@ -75,6 +75,10 @@ class GptOssParser(ToolParser):
     markers = ("<|channel|>", "<|constrain|>")
     syntax = (START, CHANNEL, MESSAGE, "<|constrain|>", *ENDS)
     example = "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>"
+    call_end, call_separator = "<|call|>", START + "assistant"
+
+    def call_begin(self, name: str) -> str:
+        return f"{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         snap = Snapshot()

@@ -1,6 +1,8 @@
 """Hermes / Qwen2.5 / Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call."""
 from __future__ import annotations
 
+import json
+
 from radixlang.runtime.entrypoints.openai.tool_parsers.base import (
     Snapshot, ToolParser, json_call, marker_holdback, skip_ws,
 )
@@ -52,6 +54,10 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = (OPEN,)
     syntax = (OPEN, CLOSE)
+    call_end, call_separator = "}\n" + CLOSE, "\n"
+
+    def call_begin(self, name: str) -> str:
+        return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         return tagged_snapshot(text, OPEN, CLOSE, final=final, read_body=read_json_body)

@@ -2,6 +2,8 @@
 ``;``), or a bare ``{"name": ..., "parameters": ...}`` as the whole reply."""
 from __future__ import annotations
 
+import json
+
 from radixlang.runtime.entrypoints.openai.tool_parsers.base import (
     Snapshot, ToolParser, json_call, marker_holdback, skip_ws,
 )
@@ -34,6 +36,10 @@ class Llama3JsonParser(ToolParser):
     markers = (PYTHON_TAG,)
     syntax = (PYTHON_TAG,)
     example = '{"name": NAME, "parameters": {...}}'
+    call_end, call_prefix, call_separator = "}", PYTHON_TAG, "; "
+
+    def call_begin(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "parameters": '
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         lead = skip_ws(text, 0)
@@ -52,3 +58,14 @@ class Llama3JsonParser(ToolParser):
                 return Snapshot(content=text)
             return Snapshot(content=content, calls=calls)
         return Snapshot(content=content, calls=calls)
+
+
+class BareJsonParser(Llama3JsonParser):
+    """Calls as bare ``{"name": ..., "arguments": {...}}`` objects: the forced form for a format whose
+    arguments are not JSON (pythonic)."""
+    name = "json"
+    example = '{"name": NAME, "arguments": {...}}'
+    call_prefix, call_separator = "", "\n"
+
+    def call_begin(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "arguments": '

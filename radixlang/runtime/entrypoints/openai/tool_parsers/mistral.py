@@ -1,6 +1,8 @@
 """Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``."""
 from __future__ import annotations
 
+import json
+
 from radixlang.runtime.entrypoints.openai.tool_parsers.base import Snapshot, ToolParser, marker_holdback, skip_ws
 from radixlang.runtime.entrypoints.openai.tool_parsers.llama3 import json_sequence
 
@@ -12,6 +14,10 @@ class MistralParser(ToolParser):
     markers = (MARKER,)
     syntax = (MARKER,)
     example = '[TOOL_CALLS] [{"name": NAME, "arguments": {...}}]'
+    call_end, call_prefix, call_separator, call_suffix = "}", MARKER + " [", ", ", "]"
+
+    def call_begin(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "arguments": '
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         at = text.find(MARKER)
