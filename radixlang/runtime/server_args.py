@@ -65,10 +65,14 @@ class ServerArgs:
     # speculative decoding
     speculative_algorithm: str | None = _f(None, "draft tokens and check them in one forward: ngram drafts the "
                                                  "tokens that followed the latest earlier occurrence of the "
-                                                 "sequence's last n tokens (its own prompt and output). Greedy "
-                                                 "output is unchanged; sampled output keeps its distribution",
-                                           (None, "ngram"))
+                                                 "sequence's last n tokens (its own prompt and output), "
+                                                 "standalone a draft model. Greedy output is unchanged; sampled "
+                                                 "output keeps its distribution",
+                                           (None, "ngram", "standalone"))
     speculative_num_draft_tokens: int | None = _f(None, "tokens drafted per request per step (default 4)")
+    speculative_draft_model_path: str | None = _f(None, "the draft model of --speculative-algorithm standalone: a "
+                                                        "smaller model with the target's vocabulary, drafting "
+                                                        "greedily with its own KV pool")
     speculative_ngram_min_match_window_size: int = _f(1, "shortest suffix n-gram ngram drafting matches")
     speculative_ngram_max_match_window_size: int = _f(3, "longest suffix n-gram ngram drafting matches (tried first)")
     # chat (OpenAI routes)
@@ -157,9 +161,16 @@ class ServerArgs:
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
-            if self.speculative_num_draft_tokens is not None:
-                raise ValueError("speculative_num_draft_tokens needs speculative_algorithm (ngram)")
+            for name in ("speculative_num_draft_tokens", "speculative_draft_model_path"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs speculative_algorithm (ngram or standalone)")
             return
+        draft = self.speculative_draft_model_path
+        if self.speculative_algorithm == "standalone" and draft is None:
+            raise ValueError("speculative_algorithm standalone needs speculative_draft_model_path")
+        if self.speculative_algorithm == "ngram" and draft is not None:
+            raise ValueError("speculative_draft_model_path is for speculative_algorithm standalone; ngram drafts "
+                             "from the request's own tokens")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size

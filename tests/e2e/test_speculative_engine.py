@@ -122,3 +122,60 @@ def test_smollm_copying_a_text(smollm_path):
     assert outs["on"]["output_ids"] == outs["off"]["output_ids"]
     meta = outs["on"]["meta_info"]
     assert meta["spec_accepted_tokens"] > meta["completion_tokens"] // 2  # most of the copy came from drafts
+
+
+# ---- a draft model (--speculative-algorithm standalone) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory) -> str:
+    from tests.tiny_model import make_tiny_model_dir
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("spec_draft")), num_layers=1, hidden=32, heads=2,
+                               kv_heads=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_greedy_tokens_identical(draft, tiny_model_dir, other_draft_dir):
+    kw = {"model_path": tiny_model_dir, "load_format": "dummy"}
+    spec = {"speculative_algorithm": "standalone", "speculative_num_draft_tokens": 3,
+            "speculative_draft_model_path": tiny_model_dir if draft == "same" else other_draft_dir}
+    prompts = _repeating_prompts(5, seed=7)
+    params = [GREEDY, GREEDY, {**GREEDY, "frequency_penalty": 0.4}, GREEDY, {**GREEDY, "max_new_tokens": 7}]
+    ref, _ = _run(kw, prompts, params, max_total_tokens=4096)
+    with Engine(**kw, max_total_tokens=4096, **spec) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        info = e.get_server_info()
+        e.check_memory_leak()
+    assert [o["output_ids"] for o in outs] == ref
+    meta = [o["meta_info"] for o in outs]
+    if draft == "same":  # the same weights (same seed): every greedy draft is right, but the penalized request's
+        for i in (0, 1, 3, 4):
+            assert meta[i]["spec_draft_tokens"] > 0 and meta[i]["spec_accepted_tokens"] == meta[i]["spec_draft_tokens"]
+        assert meta[2]["spec_accepted_tokens"] < meta[2]["spec_draft_tokens"]
+    else:
+        assert 0 < info["spec_draft_tokens"] and info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+
+
+def test_draft_model_across_a_retraction(tiny_model_dir, other_draft_dir):
+    kw = {"model_path": tiny_model_dir, "load_format": "dummy"}
+    spec = {"speculative_algorithm": "standalone", "speculative_draft_model_path": other_draft_dir}
+    prompts = _repeating_prompts(12, seed=8)
+    ref, _ = _run(kw, prompts, GREEDY, max_total_tokens=8192)
+    with Engine(**kw, max_total_tokens=400, **spec) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        info = e.get_server_info()
+        e.check_memory_leak()
+    assert info["num_retractions"] > 0 and info["spec_draft_tokens"] > 0
+    assert [o["output_ids"] for o in outs] == ref
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+    bad = tmp_path / "bad_draft"
+    shutil.copytree(tiny_model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match="vocabulary"):
+        Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024,
+               speculative_algorithm="standalone", speculative_draft_model_path=str(bad))

@@ -54,6 +54,12 @@ def test_no_draft_without_a_match_or_room():
 def test_speculative_flags_are_checked_at_start():
     with pytest.raises(ValueError, match="speculative_num_draft_tokens needs speculative_algorithm"):
         ServerArgs(speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="speculative_draft_model_path needs speculative_algorithm"):
+        ServerArgs(speculative_draft_model_path="m")
+    with pytest.raises(ValueError, match="standalone needs speculative_draft_model_path"):
+        ServerArgs(speculative_algorithm="standalone")
+    with pytest.raises(ValueError, match="is for speculative_algorithm standalone"):
+        ServerArgs(speculative_algorithm="ngram", speculative_draft_model_path="m")
     with pytest.raises(ValueError, match="speculative_algorithm must be one of"):
         ServerArgs(speculative_algorithm="eagle")
     with pytest.raises(ValueError, match=">= 1"):

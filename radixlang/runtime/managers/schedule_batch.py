@@ -43,7 +43,7 @@ class Req:
     grammar_future: Future[CompiledGrammar] | None = None  # a constrained request's grammar, compiling
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
     is_retracted: bool = False
-    draft_index: Any = None  # speculative.NgramIndex over fill_ids, built on the first drafted step
+    draft_state: Any = None  # the drafter's per-request state (speculative.py), built on its first drafted step
     spec_draft_tokens: int = 0  # tokens drafted for this request, and how many of them were accepted
     spec_accepted_tokens: int = 0
     # latency bookkeeping (time.monotonic seconds)

@@ -29,7 +29,7 @@ from radixlang.runtime.managers.io_struct import BatchTokenIDOut, FinishReason, 
 from radixlang.runtime.managers.kv_slots import KVSlots
 from radixlang.runtime.managers.schedule_batch import Req, ScheduleBatch
 from radixlang.runtime.managers.schedule_policy import order_waiting
-from radixlang.runtime.managers.speculative import NgramDrafter
+from radixlang.runtime.managers.speculative import make_drafter
 from radixlang.runtime.managers.scheduler_output import OutputCollector
 from radixlang.runtime.managers.scheduler_stats import SchedulerStats, find_memory_leak
 from radixlang.runtime.managers.stop import check_finished
@@ -76,7 +76,7 @@ class Scheduler:
         self.metrics = SchedulerStats()
         self.stats = self.metrics.counts
         self.jump_forward = not self.args.disable_jump_forward
-        self.drafter = _make_drafter(self.args, self.runner.context_len)
+        self.drafter = make_drafter(self.args, vocab_size=self.runner.vocab_size, context_len=self.runner.context_len)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -266,6 +266,8 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Cache what the request computed, free the rest, and put it at the front of the queue."""
         self.kv.release(req, keep=True)
+        if self.drafter is not None:
+            self.drafter.release(req)
         req.is_retracted = True
         self.waiting.insert(0, req)
         self.stats["num_retractions"] += 1
@@ -364,6 +366,8 @@ class Scheduler:
                     break
                 accepted += 1
             self.kv.settle_drafts(req, len(d), accepted)
+            if self.drafter is not None:
+                self.drafter.settle(req, len(d), accepted)
             req.spec_draft_tokens += len(d)
             req.spec_accepted_tokens += accepted
             self.stats["spec_draft_tokens"] += len(d)
@@ -405,6 +409,8 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         self.kv.release(req, keep=req.finished_reason is not None and not req.finished_reason.is_abort)
+        if self.drafter is not None:
+            self.drafter.release(req)
         self.metrics.observe_finish(req)
         self.outputs.add(req, final=True)
 
@@ -422,6 +428,8 @@ class Scheduler:
         if not self.is_idle():
             return
         leak = find_memory_leak(self.kv_pool, self.req_to_token_pool, self.cache)
+        if leak is None and self.drafter is not None:
+            leak = self.drafter.find_leak()
         if leak is not None:
             logger.error(leak)
             raise RuntimeError(leak)
@@ -436,13 +444,6 @@ def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenTo
     if args.disable_radix_cache:
         return NoReqCache(req_pool, kv_pool)
     return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)
-
-
-def _make_drafter(args: ServerArgs, context_len: int) -> NgramDrafter | None:
-    if args.speculative_algorithm is None:
-        return None
-    return NgramDrafter(args.speculative_num_draft_tokens or 4, args.speculative_ngram_min_match_window_size,
-                        args.speculative_ngram_max_match_window_size, context_len)
 
 
 def _plain_greedy(req: Req) -> bool:
