@@ -3,6 +3,7 @@ names and metadata, tokenizer fields copied from the embedded SmolLM2 GGUF) load
 give the original checkpoint's prompt log-probabilities; transformers' own GGUF reader agrees on weights."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -19,17 +20,57 @@ from tiny_model import save_tiny_hf_model
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               # MoE (llama.cpp stacks the experts: blk.N.ffn_gate_exps [experts, inter, hidden])
+               "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "block_sparse_moe.gate": "ffn_gate_inp"}
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_GEMMA_NAMES = {**_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_PHI3_NAMES = {**_GGUF_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # what llama.cpp's converter does to llama's Q/K
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(hf_folder: str, path: str, arch: str) -> None:
+def _gguf_tensors(checkpoint: dict[str, torch.Tensor], cfg, arch: str, f16: bool):
+    """(llama.cpp name, array) pairs as its converter writes them from a checkpoint's tensors: llama's
+    Q/K permuted, Gemma's norms as 1 + w, experts stacked; with ``f16`` the matrices in float16 (norms
+    and biases stay float32)."""
+    names = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES}.get(arch, _GGUF_NAMES)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    out = []
+    for name, t in checkpoint.items():
+        arr = t.numpy().astype(np.float32)
+        if name.startswith("model.layers."):
+            _, _, layer, *rest = name.split(".")
+            module, leaf = ".".join(rest[:-1]), rest[-1]
+            if ".experts." in module:  # mlp.experts.3.gate_proj / block_sparse_moe.experts.3.w1
+                e, part = module.split(".")[-2:]
+                experts.setdefault((layer, _EXPERT_NAMES[part]), {})[int(e)] = arr
+                continue
+            kind = names[module]
+            if arch == "llama" and kind in ("attn_q", "attn_k"):
+                arr = _permute(arr, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+            gname = f"blk.{layer}.{kind}.{leaf}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            arr = arr + 1.0
+        out.append((gname, arr))
+    for (layer, kind), per in experts.items():
+        out.append((f"blk.{layer}.{kind}.weight", np.stack([per[e] for e in range(len(per))])))
+    return [(n, a.astype(np.float16) if f16 and a.ndim >= 2 else a) for n, a in out]
+
+
+def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False) -> None:
     import gguf
-    hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    cfg = hf.config
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(hf_folder)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -39,8 +80,36 @@ def _write_gguf(hf_folder: str, path: str, arch: str) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        rope = rope["full_attention"]
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "sliding_window", None) and arch != "llama":
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "phi3":
+        w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":
+            orig = rope["original_max_position_embeddings"]
+            w.add_rope_scaling_orig_ctx_len(orig)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / orig)
+                                                      / math.log(orig)))
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    n_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     src = gguf.GGUFReader(default_model_path())
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
@@ -48,19 +117,11 @@ def _write_gguf(hf_folder: str, path: str, arch: str) -> None:
                 w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
             else:
                 w.add_key_value(key, field.contents(), field.types[0])
-    for name, t in hf.state_dict().items():
-        arr = t.numpy().astype(np.float32)
-        if name.startswith("model.layers."):
-            _, _, layer, *rest = name.split(".")
-            module, leaf = ".".join(rest[:-1]), rest[-1]
-            kind = _GGUF_NAMES[module]
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
-                arr = _permute(arr, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
-            gname = f"blk.{layer}.{kind}.{leaf}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        assert hf_tensor_name(gname) == name
+    from safetensors.torch import load_file
+    checkpoint = load_file(os.path.join(hf_folder, "model.safetensors"))  # transformers' saved names
+    for gname, arr in _gguf_tensors(checkpoint, cfg, arch, f16):
+        want = hf_tensor_name(gname, arch, n_experts or 0)
+        assert want.format(e=0) in checkpoint, (gname, want)
         w.add_tensor(gname, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -70,8 +131,8 @@ def _write_gguf(hf_folder: str, path: str, arch: str) -> None:
 
 @pytest.mark.parametrize("arch,hf_arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_gguf_family_matches_its_checkpoint(tmp_path, monkeypatch, arch, hf_arch):
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=5)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # after: the tokenizer's source stays cached
     path = str(tmp_path / f"tiny-{arch}.gguf")
     _write_gguf(folder, path, arch)
     loaded = load_model(path)
@@ -89,3 +150,104 @@ def test_gguf_family_matches_its_checkpoint(tmp_path, monkeypatch, arch, hf_arch
                                                dtype=torch.float32).state_dict()
     for name, tensor in hf.state_dict().items():
         assert torch.allclose(tensor, ref[name], atol=1e-6), name
+
+
+WINDOW = 5  # shorter than the prompts
+MORE_FAMILIES = {
+    # GGUF arch, HF arch, config overrides, float16 export. Gemma's query_pre_attn_scalar is head_dim:
+    # a GGUF has no field for it (llama.cpp assumes head_dim but for the 27B models)
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False,
+               dict(sliding_window=WINDOW, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
+                    query_pre_attn_scalar=16, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM", True,
+               dict(sliding_window=WINDOW, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                    layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    "phi3": ("phi3", "Phi3ForCausalLM", False,
+             dict(sliding_window=WINDOW, max_position_embeddings=64, original_max_position_embeddings=32,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "original_max_position_embeddings": 32,
+                                   "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                                   "long_factor": [2.0 + i for i in range(6)]})),
+    "mixtral": ("llama", "MixtralForCausalLM", True, dict(num_local_experts=5, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2moe", "Qwen2MoeForCausalLM", False,
+                  dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                       norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3moe", "Qwen3MoeForCausalLM", True,
+                  dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                       decoder_sparse_step=1)),
+}
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(_run_ours(model, ids + out)[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_gguf_export_of_more_families_matches_transformers(tmp_path, monkeypatch, family):
+    """llama.cpp's layout of each family (its tensor names, Gemma's 1 + w norms, stacked experts, Phi-3's
+    fused q/k/v and gate/up and longrope factor tensors) loads as the family and gives transformers'
+    prompt log-probabilities and greedy tokens on the exported weights (rounded to float16 for F16)."""
+    from test_model_families import NEW_TOKENS, _hf_greedy
+    arch, hf_arch, f16, overrides = MORE_FAMILIES[family]
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # after: the tokenizer's source stays cached
+    path = str(tmp_path / f"tiny-{family}.gguf")
+    _write_gguf(folder, path, arch, f16=f16)
+    model = load_model(path).model
+    assert type(model).__name__ == hf_arch
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if f16:  # the reference holds the weights the file does
+        hf.load_state_dict({k: v.half().float() if v.dim() >= 2 else v for k, v in hf.state_dict().items()})
+    for ids in PROMPTS[:2]:
+        logits = _run_ours(model, ids)
+        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4, family
+    ids = PROMPTS[0]
+    assert _greedy(model, ids, NEW_TOKENS) == _hf_greedy(hf, ids), family
+
+
+def test_gguf_architecture_we_cannot_map_is_named(tmp_path, monkeypatch):
+    import gguf
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "odd.gguf")
+    w = gguf.GGUFWriter(path, "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF architecture 'mamba' is not supported \(supported: llama, .*phi3"):
+        load_model(path)
+
+
+def test_gguf_conversion_dequantizes_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The converted safetensors file is written tensor by tensor: when a tensor is dequantized, no
+    earlier one is still held (collecting them all first keeps the whole float32 model in memory)."""
+    import gc
+    import weakref
+
+    from radixlang.runtime.models import gguf_convert
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2ForCausalLM", seed=3)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(folder, path, "qwen2")
+    real, made, held = gguf_convert.dequantize_tensor, [], []
+
+    def tracking(t):
+        gc.collect()
+        held.append(sum(r() is not None for r in made))
+        arr = real(t)
+        made.append(weakref.ref(arr))
+        return arr
+
+    monkeypatch.setattr(gguf_convert, "dequantize_tensor", tracking)
+    model = load_model(path).model
+    assert len(made) > 20 and max(held) <= 1, held
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert torch.equal(model.layers[2].mlp.down_proj.weight, ref["model.layers.2.mlp.down_proj.weight"])

@@ -203,3 +203,65 @@ def test_loader_import_leaves_hub_offline_unset():
     code = "import os, radixlang.runtime.models.loader; print(os.environ.get('HF_HUB_OFFLINE'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "None", out.stderr[-2000:]
+
+
+def _float32_tensors_made(fn):
+    """Run fn(); return (fn's result, the shapes of every non-meta float32 tensor any torch op created)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    shapes: list[tuple[int, ...]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type != "meta":
+                    shapes.append(tuple(t.shape))
+            return out
+
+    with Record():
+        result = fn()
+    return result, shapes
+
+
+def test_bf16_checkpoint_loads_without_a_float32_copy(tmp_path):
+    """Built on the meta device and filled tensor by tensor: no float32 weight ever exists on the way
+    to a bfloat16 model (building it in float32 and casting afterwards makes one of every matrix)."""
+    from transformers import AutoModelForCausalLM as Auto
+    folder = make_tiny_safetensors_dir(str(tmp_path / "fp32"))
+    half = str(tmp_path / "bf16")
+    Auto.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(half, max_shard_size="1MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(folder, name), os.path.join(half, name))
+    loaded, shapes = _float32_tensors_made(lambda: load_model(half, dtype=torch.bfloat16))
+    params = dict(loaded.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params.values())
+    matrices = {tuple(p.shape) for p in params.values() if p.dim() >= 2}
+    assert not [s for s in shapes if s in matrices]
+    fp32_bytes = sum(4 * int(np.prod(s)) for s in shapes)
+    assert fp32_bytes < 0.1 * sum(4 * p.numel() for p in params.values())  # the rotary tables only
+    ref = Auto.from_pretrained(half, dtype=torch.bfloat16).state_dict()
+    assert torch.equal(loaded.model.embed_tokens.weight, ref["model.embed_tokens.weight"])
+    assert torch.equal(loaded.model.layers[1].mlp.down_proj.weight, ref["model.layers.1.mlp.down_proj.weight"])
+    q, k, v = (ref[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(loaded.model.layers[0].self_attn.qkv_proj.weight, torch.cat([q, k, v]))
+
+
+def test_index_names_the_shards(tmp_path):
+    """A stray consolidated.safetensors beside the indexed shards is not read; a shard the index names
+    but the folder lacks is named."""
+    from transformers import AutoModelForCausalLM as Auto
+    folder = make_tiny_safetensors_dir(str(tmp_path / "one"))
+    sharded = str(tmp_path / "sharded")
+    Auto.from_pretrained(folder, dtype=torch.float32).save_pretrained(sharded, max_shard_size="2MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(folder, name), os.path.join(sharded, name))
+    from safetensors.torch import save_file
+    save_file({"junk.weight": torch.zeros(2)}, os.path.join(sharded, "consolidated.safetensors"))
+    _assert_close(_run_ours(load_model(sharded).model, IDS), _hf(folder, IDS))
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
+    os.remove(os.path.join(sharded, shard))
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_model(sharded)

@@ -185,16 +185,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         vocab, hidden = config.vocab_size, config.hidden_size
-        self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
-                             else VocabParallelEmbedding(vocab, hidden, tp=tp))
-        self.layers = nn.ModuleList(self.layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = (nn.Linear(hidden, vocab, bias=False) if tp is None
-                            else ParallelLMHead(vocab, hidden, tp=tp))
+        # the parameters are shapes only until materialize_ below: no float32 copy, no random init
+        with torch.device("meta"):
+            self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
+                                 else VocabParallelEmbedding(vocab, hidden, tp=tp))
+            self.layers = nn.ModuleList(self.layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            if self.tie_word_embeddings:
+                self.lm_head = None
+            else:
+                self.lm_head = (nn.Linear(hidden, vocab, bias=False) if tp is None
+                                else ParallelLMHead(vocab, hidden, tp=tp))
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
@@ -209,8 +211,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_buffer("signed_sin_cache" + suffix, signed_sin.to(dtype), persistent=False)
         self.num_rope_tables = len(tables)
         self.cpu_kernels = False  # see use_cpu_kernels
-        self.to(dtype=dtype, device=device)
-        self.requires_grad_(False)
+        materialize_(self, dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
@@ -350,6 +351,23 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
+
+
+def materialize_(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Give every parameter still on the meta device uninitialised storage of its final dtype (``dtype``
+    for floating-point ones) on ``device``, and move the other parameters and buffers there. The storage
+    is filled by ``load_weights``, which refuses a checkpoint that leaves any parameter unset."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            dt = dtype if p.is_floating_point() else p.dtype
+            data = (torch.empty(p.shape, dtype=dt, device=device) if p.is_meta
+                    else p.detach().to(device=device, dtype=dt))
+            m._parameters[name] = nn.Parameter(data, requires_grad=False)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
 
 
 def _parts_expected(name: str, param: torch.Tensor) -> int:

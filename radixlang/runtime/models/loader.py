@@ -1,11 +1,13 @@
 """Load a model: a Hugging Face folder, a hub id (through huggingface_hub: the local cache first), a GGUF
 file, or random weights from a config. Safetensors are read one tensor at a time and copied straight into
-the model's parameters (already in their final dtype and device), so loading never holds a second copy
-of the model on the host; sharded checkpoints are every ``*.safetensors`` in the folder."""
+the model's parameters (built on the meta device, then given storage in their final dtype and device),
+so loading never holds a float32 or second copy of the model on the host; sharded checkpoints are the
+shards ``model.safetensors.index.json`` lists."""
 from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import logging
 import os
 from typing import Any, NamedTuple
@@ -121,16 +123,33 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
     else:
-        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {folder} (use --load-format dummy for random weights)")
-        model.load_weights(_iter_safetensors(files))
+        model.load_weights(_iter_safetensors(checkpoint_files(folder)))
     tok_dir = tokenizer_path or folder
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir)
 
 
+def checkpoint_files(folder: str) -> list[str]:
+    """The safetensors files holding the model: the shards ``model.safetensors.index.json`` lists, else
+    ``model.safetensors``, else every ``*.safetensors`` in the folder (some repos also carry a
+    ``consolidated.safetensors`` copy of the same weights beside the shards: the index leaves it out)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing = [s for s in shards if not os.path.exists(os.path.join(folder, s))]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not in the folder: {missing}")
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    files = [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder} (use --load-format dummy for random weights)")
+    return files
+
+
 def _iter_safetensors(files: list[str]):
+    """(name, tensor) one tensor at a time, in the checkpoint's own dtype, read from the memory-mapped file."""
     from safetensors import safe_open
 
     for f in files:
