@@ -11,6 +11,7 @@ same seeded workload on each and prints the ratios.
     python -m bench.serving --dataset random --request-rate 4
     python -m bench.serving --model-path CFG_DIR --load-format dummy --num-prompts 8
     python -m bench.serving --url http://127.0.0.1:30000   # one run against a running server
+    python -m bench.serving --quick --llama-server         # and the same load on llama.cpp's llama-server
 
 Writes bench/results/serving.json (or ``--out``) and a PNG next to it when matplotlib is installed.
 """
@@ -83,18 +84,59 @@ async def send_one(client: httpx.AsyncClient, req: BenchRequest) -> dict[str, An
     return _result(req, error, start, ttft, itl, got, cached)
 
 
+async def send_one_llama_server(client: httpx.AsyncClient, req: BenchRequest) -> dict[str, Any]:
+    """The same request to llama.cpp's llama-server: its streamed ``/completion`` (a chunk per token),
+    greedy, EOS ignored, with its per-slot prompt cache; cached tokens from the last chunk's timings."""
+    body = {"prompt": req.input_ids, "n_predict": req.output_len, "temperature": 0.0, "top_k": 1,
+            "repeat_penalty": 1.0, "ignore_eos": True, "cache_prompt": True, "stream": True}
+    start = time.perf_counter()
+    ttft: float | None = None
+    itl: list[float] = []
+    got, cached, last, done = 0, 0, start, False
+    try:
+        async with client.stream("POST", "/completion", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _result(req, f"status {r.status_code}: {r.text[:200]}", start, ttft, itl, got, cached)
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                chunk = json.loads(line[len("data:"):].strip())
+                now = time.perf_counter()
+                if chunk.get("stop"):
+                    timings = chunk.get("timings") or {}
+                    cached = int(timings.get("cache_n", 0) or 0)
+                    got = int(timings.get("predicted_n", got) or got)
+                    done = True
+                    break
+                n = int(chunk.get("tokens_predicted", got + 1)) - got  # one token a chunk, counted by the server
+                if n:
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.extend([(now - last) / n] * n)
+                    got, last = got + n, now
+    except httpx.HTTPError as e:
+        return _result(req, f"{type(e).__name__}: {e}", start, ttft, itl, got, cached)
+    error = None if done else "stream ended without a final chunk"
+    if error is None and got != req.output_len:
+        error = f"expected {req.output_len} output tokens (ignore_eos), got {got}"
+    return _result(req, error, start, ttft, itl, got, cached)
+
+
 async def run_load(url: str, requests: list[BenchRequest], *, request_rate: float, max_concurrency: int | None,
-                   time_limit_s: float, seed: int = 0) -> tuple[list[dict[str, Any]], float]:
+                   time_limit_s: float, seed: int = 0, sender: Any = None) -> tuple[list[dict[str, Any]], float]:
     """Send every request (Poisson arrivals at request_rate/s, at most max_concurrency in flight);
     requests still running at the time limit are cancelled and count as failures."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    send = sender or send_one
 
     async def guarded(client: httpx.AsyncClient, req: BenchRequest) -> dict[str, Any]:
         if sem is None:
-            return await send_one(client, req)
+            return await send(client, req)
         async with sem:
-            return await send_one(client, req)
+            return await send(client, req)
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(time_limit_s), limits=limits) as client:
@@ -140,6 +182,27 @@ def bench_url(url: str, requests: list[BenchRequest], args: argparse.Namespace) 
     return summarize(results, duration, hit_rate)
 
 
+def bench_llama_server(requests: list[BenchRequest], args: argparse.Namespace) -> dict[str, Any]:
+    """The same load on llama-server (bench/llama_server.py) over the embedded GGUF, with as many parallel
+    slots as requests can be in flight (at most 32), the same threads; its hit rate from its timings."""
+    from bench.common import threads
+    from bench.llama_server import LlamaServer
+    from radixlang.runtime.models.loader import default_model_path
+
+    slots = min(32, args.max_concurrency or len(requests))
+    ctx = max(len(r.input_ids) + r.output_len for r in requests) + 16
+    with LlamaServer(default_model_path(), parallel=slots, threads=args.num_threads or threads(),
+                     ctx_per_slot=ctx) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:  # warm-up, like bench_url's
+            client.post("/completion", json={"prompt": requests[0].input_ids[:8], "n_predict": 2}).raise_for_status()
+        results, duration = asyncio.run(run_load(server.url, requests, request_rate=args.request_rate,
+                                                 max_concurrency=args.max_concurrency, time_limit_s=args.time_limit,
+                                                 seed=args.seed, sender=send_one_llama_server))
+    ok = [r for r in results if r["ok"]]
+    hit_rate = sum(r["cached_tokens"] for r in ok) / max(sum(r["prompt_len"] for r in ok), 1)
+    return summarize(results, duration, hit_rate)
+
+
 def server_args(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"log_level": "warning"}
     for name in ("model_path", "load_format", "max_total_tokens", "num_threads"):
@@ -170,6 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "workload": {"num_requests": len(requests), "input_tokens": sum(len(r.input_ids) for r in requests),
                            "output_tokens": sum(r.output_len for r in requests)},
               "runs": runs}
+    if args.llama_server and not args.url:
+        print(f"[llama_server] {len(requests)} requests", flush=True)
+        runs["llama_server"] = bench_llama_server(requests, args)
+        result["ratios_vs_llama_server"] = ratios(runs["radix_cache"], runs["llama_server"])
     if set(VARIANTS) <= set(runs):
         result["ratios"] = ratios(runs["radix_cache"], runs["no_radix_cache"])
     return result
@@ -179,6 +246,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small workload (~2-3 minutes on SmolLM2, 2 cores)")
     ap.add_argument("--url", help="bench a running server instead of starting two (no cache comparison)")
+    ap.add_argument("--llama-server", action="store_true",
+                    help="also run the load on llama.cpp's llama-server (python -m bench.llama_server --build) on "
+                         "the embedded GGUF; the model is then the embedded one")
     ap.add_argument("--model-path", help="model for the servers it starts (default: the embedded SmolLM2)")
     ap.add_argument("--load-format", help="e.g. dummy: random weights from a config folder")
     ap.add_argument("--max-total-tokens", type=int, help="the servers' KV pool size in tokens")

@@ -60,6 +60,8 @@ def print_comparison(result: dict[str, Any]) -> None:
         if metric in result.get("ratios", {}):
             row += f"{result['ratios'][metric]:9.2f}x"
         print(row)
+    for metric, ratio in result.get("ratios_vs_llama_server", {}).items():
+        print(f"radix_cache vs llama_server, {metric}: {ratio:.2f}x")
     for n in names:
         for err in runs[n]["errors"]:
             print(f"[{n}] error: {err}")

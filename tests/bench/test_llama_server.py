@@ -71,3 +71,50 @@ def test_request_shapes_and_refusals():
     argv = command("/bin/llama-server", "m.gguf", port=8090, parallel=32, threads=2, ctx_per_slot=1024)
     assert argv[argv.index("--parallel") + 1] == "32" and argv[argv.index("--ctx-size") + 1] == str(32 * 1024)
     assert argv[argv.index("--threads") + 1] == argv[argv.index("--threads-batch") + 1] == "2"
+
+
+class _FakeStream(BaseHTTPRequestHandler):
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        # llama-server's streamed /completion: a chunk per token, then a final one with the timings
+        chunks = [{"content": "a", "tokens": [7], "stop": False, "tokens_predicted": i + 1}
+                  for i in range(body["n_predict"])]
+        chunks.append({"content": "", "tokens": [], "stop": True, "tokens_predicted": body["n_predict"],
+                       "timings": {"cache_n": 6, "prompt_n": 4, "predicted_n": body["n_predict"]}})
+        data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_serving_bench_streams_from_llama_server():
+    import asyncio
+
+    from bench.serving import run_load, send_one_llama_server
+    from bench.serving_data import BenchRequest
+
+    _FakeStream.bodies = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeStream)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        reqs = [BenchRequest(input_ids=list(range(10)), output_len=5), BenchRequest(input_ids=[1, 2], output_len=3)]
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        results, _ = asyncio.run(run_load(url, reqs, request_rate=float("inf"), max_concurrency=None,
+                                          time_limit_s=30, sender=send_one_llama_server))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [r["ok"] for r in results] == [True, True], results
+    assert [r["output_len"] for r in results] == [5, 3] and [r["cached_tokens"] for r in results] == [6, 6]
+    assert all(r["ttft"] is not None and len(r["itl"]) == r["output_len"] - 1 for r in results)
+    body = _FakeStream.bodies[0]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["cache_prompt"] is True
+    assert body["temperature"] == 0.0 and body["prompt"] in (list(range(10)), [1, 2])
