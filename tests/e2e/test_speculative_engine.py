@@ -179,3 +179,22 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path
     with pytest.raises(Exception, match="vocabulary"):
         Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024,
                speculative_algorithm="standalone", speculative_draft_model_path=str(bad))
+
+
+def test_through_the_server_with_metrics(tiny_model_dir):
+    import httpx
+
+    from tests.live_server import live_server
+
+    prompt = _repeating_prompts(1, seed=9)[0]
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048) as e:
+        ref = e.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    with live_server(tiny_model_dir, load_format="dummy", max_total_tokens=2048, **SPEC) as url:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            out = c.post("/generate", json={"input_ids": prompt, "sampling_params": GREEDY}).json()
+            metrics = c.get("/metrics").text
+    assert out["output_ids"] == ref and out["meta_info"]["spec_accepted_tokens"] > 0
+    counters = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("radixlang_spec_")}
+    assert counters["radixlang_spec_draft_tokens_total"] == out["meta_info"]["spec_draft_tokens"]
+    assert counters["radixlang_spec_accepted_tokens_total"] == out["meta_info"]["spec_accepted_tokens"]

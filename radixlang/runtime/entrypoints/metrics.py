@@ -15,7 +15,9 @@ _HISTOGRAMS = {"time_to_first_token_seconds": "seconds from arrival at the sched
                "e2e_request_latency_seconds": "seconds from arrival at the scheduler to the finish"}
 _COUNTERS = {"num_requests": "requests finished", "prompt_tokens": "prompt tokens of finished requests",
              "cached_tokens": "prompt tokens served from the prefix cache",
-             "generated_tokens": "tokens generated", "num_retractions": "requests retracted for lack of KV"}
+             "generated_tokens": "tokens generated", "num_retractions": "requests retracted for lack of KV",
+             "spec_draft_tokens": "tokens drafted by speculative decoding",
+             "spec_accepted_tokens": "drafted tokens the model accepted"}
 
 
 class EngineCollector:
