@@ -8,8 +8,10 @@ it (the weight of a float32 GEMM over many rows). Built on first use like the ot
 Two kernels do ``linear``: csrc/quant_ops.c decodes each weight to float32 and multiplies it by the float32
 activations (the result is the dequantized matmul's up to the order of the sums), and csrc/quant_vnni.c,
 on CPUs with AVX512-VNNI or AVX-VNNI, quantizes each activation row to int8 per group of 32 and takes
-integer dot products of codes and activations (lossy by the activation rounding; see its header).
-``linear(..., int8_activations=None)`` takes the int8 kernel where the CPU has it and the layout fits.
+integer dot products of codes and activations (lossy by the activation rounding; see its header), in one
+pass (int8) or more (int8x2, int8x3: then the int8 codes of what the earlier passes leave). ``linear(...,
+activations=None)`` takes DEFAULT_ACTIVATIONS for up to INT8_MAX_ROWS rows where the CPU has VNNI and
+the layout fits, else float32.
 """
 from __future__ import annotations
 
@@ -33,10 +35,16 @@ _SIGNATURES = {
 }
 _VNNI_SIGNATURES = {
     "rl_vnni_level": (_INT, []),
-    "rl_q4_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT]),
-    "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT]),
+    "rl_q4_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+    "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
 }
 VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
+# how ``linear`` takes the activations: float32 (each weight decoded to float32), or quantized per group of
+# 32 to int8 codes for integer dot products, in one pass (llama.cpp's way) or two or three (the int8 codes
+# of what the earlier passes leave: about 15 and 22 significant bits)
+ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2, "int8x3": 3}
+DEFAULT_ACTIVATIONS = "int8x3"  # the one pass of llama.cpp moves SmolLM2's greedy output (its outliers)
+INT8_MAX_ROWS = 4  # past 4 rows the per-row work of three passes outweighs the cheaper decoding of codes
 LAYOUTS = ("q4", "q8")
 
 
@@ -125,11 +133,11 @@ class QuantWeight:
 
 
 def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
-           int8_activations: bool | None = None) -> torch.Tensor:
+           activations: str | None = None) -> torch.Tensor:
     """x [m, in] float32 @ w^T (+ bias) -> a new [m, out] float32.
 
-    ``int8_activations``: True runs the int8-activation kernel (a ValueError where ``int8_fits`` is
-    false), False the float32 one, None the int8 one where it fits."""
+    ``activations``: one of ACTIVATIONS (the int8 ones raise a ValueError where ``int8_fits`` is false),
+    or None for DEFAULT_ACTIVATIONS where it fits and x has at most INT8_MAX_ROWS rows, else float32."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [m, {w.in_features}], got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
@@ -138,19 +146,23 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
     if m == 0:
         return y
     b = None if bias is None else bias.data_ptr()
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     fits = int8_fits(w)
-    if int8_activations and not fits:
+    if activations not in (None, "float32") and not fits:
         raise ValueError(f"no int8-activation kernel here for {w.layout} groups of {w.group} (VNNI: {vnni()})")
+    if activations is None:
+        activations = DEFAULT_ACTIVATIONS if fits and m <= INT8_MAX_ROWS else "float32"
     threads = torch.get_num_threads()
-    if fits and int8_activations is not False:
-        vl = _vnni_library()
+    if activations != "float32":
+        vl, passes = _vnni_library(), ACTIVATIONS[activations]
         assert vl is not None
         if w.layout == "q4":
             rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
-                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, threads)
+                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
         else:
-            rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, w.codes.data_ptr(),
-                                    w.scales.data_ptr(), w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, threads)
+            rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, w.codes.data_ptr(), w.scales.data_ptr(),
+                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
         if rc == 0:
             return y
     lib = _load()

@@ -7,15 +7,21 @@
  * says 0 and quant.py keeps the float32 kernels of quant_ops.c.
  *
  * Each row of x is first quantized per group of A = 32 values (16 where K is not a multiple of 32) to
- * int8, symmetrically: xs = max|x| / 127, xq = round(x / xs), so |x - xs * xq| <= xs / 2. With a weight
- * q * s + o per weight group of G, the output feature n is
- *     y[n] = sum over 4-weight lanes l of  s_l * xs_l * dot_i32(q_l, xq_l)  +  sum over groups g of o_g * X_g
+ * int8, symmetrically: xs = max|x| / 127, u = x / xs in [-127, 127], q1 = round(u), so that
+ * |x - xs * q1| <= xs / 2. With a weight q * s + o per weight group of G, the output feature n is
+ *     y[n] = sum over 4-weight lanes l of  s_l * xs_l * dot_i32(q_l, q1_l)  +  sum over groups g of o_g * X_g
  * where X_g is the float32 sum of x over the group (exact up to float32 rounding, not quantized).
+ * That is one pass, llama.cpp's way. Its error is up to 1/254 of the group's largest |x| per value; a
+ * group holding one of a model's outlier activations (SmolLM2's reach 30x the group mean) loses most of
+ * its other values that way. So x can also be taken in two or three passes: q2 = round(128 (u - q1)) in
+ * [-64, 64], q3 = round(128 (128 (u - q1) - q2)), u ~ q1 + q2 / 128 + q3 / 128^2, each pass one more
+ * vpdpbusd into the same int32 lanes after a shift left by 7. The error per value is then at most
+ * xs / 2 / 128^(passes - 1): about 15 and 22 significant bits.
  * q4 codes (0..15) are the unsigned operand as they are. q8 codes are signed: they enter as q + 128
- * (one xor), and the extra 128 * sum(xq) of each lane is subtracted by starting the accumulator at
- * -128 * sum(xq_l), computed once per row. The integer dots are exact; the error against the float32
- * kernel is the activation rounding alone: per group at most xs / 2 per value, a relative error of
- * about 1 / 254 of the group's largest |x| per product, which mostly cancels over a group.
+ * (one xor), and the extra 128 * sum(q_k) of each lane and pass is taken off: the first two passes' by
+ * starting the accumulator at -128 sum(q1) - sum(q2), the third's by one subtraction. The integer
+ * dots are exact and stay within int32 (per lane |sum q q1| <= 4 x 128 x 127, times 128^2 < 2^31); the
+ * error against the float32 kernel is the activation rounding (and float32's own, once per lane).
  *
  * Rows are taken four at a time, so a chunk of codes is unpacked once for four rows; each thread owns
  * a range of output features. The weight scales are expanded to the 16 (or 8) lanes of a vector.
@@ -27,13 +33,10 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RL_VNNI 2
-#define CHUNK 64 /* weights per vector of codes */
 #elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
 #define RL_VNNI 1
-#define CHUNK 32
 #else
 #define RL_VNNI 0
-#define CHUNK 64
 #endif
 
 /* 2: AVX512-VNNI, 1: AVX-VNNI, 0: none (the functions below then do nothing and return -1) */
@@ -42,29 +45,37 @@ int rl_vnni_level(void) { return RL_VNNI; }
 /* One call's quantized activations, each row padded with zeros to Kp (a multiple of 64) values. */
 typedef struct {
     int64_t Kp, Gp;  /* padded K; weight groups per row padded to a multiple of 16 */
-    int8_t *xq;      /* [M, Kp] */
-    float *xs;       /* [M, Kp / 4] the activation scale of each 4-value lane */
+    int8_t *xq[3];   /* [M, Kp] the codes of each pass */
+    float *xs;       /* [M, Kp / 4] the scale of each 4-value lane, divided by 128^(passes - 1) */
     float *sum;      /* [M, Gp] the float32 sum of x over each weight group */
-    int32_t *corr;   /* [M, Kp / 4] -128 * the lane's sum of xq (q8 only) */
+    int32_t *corr;   /* [M, Kp / 4] q8: -128 sum(q1) - sum(q2) of each lane */
+    int32_t *corr3;  /* [M, Kp / 4] q8 with three passes: -128 sum(q3) */
     void *mem;
 } act_t;
 
-static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, int signed_codes) {
+static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }  /* |v| < 2^22 */
+
+static inline int8_t clamp8(float v, float lim) { return (int8_t)(v > lim ? lim : v < -lim ? -lim : v); }
+
+static inline int32_t lane_sum(const int8_t *q) { return q[0] + q[1] + q[2] + q[3]; }
+
+static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, int signed_codes, int passes) {
     const int64_t A = K % 32 ? 16 : 32, groups = K / G;
     a->Kp = (K + 63) / 64 * 64;
     a->Gp = (groups + 15) / 16 * 16;
-    size_t lanes = (size_t)(M * a->Kp / 4);
-    a->mem = calloc(1, (size_t)(M * a->Kp) + lanes * 8 + (size_t)(M * a->Gp) * 4 + 64);
+    const size_t lanes = (size_t)(M * a->Kp / 4), bytes = (size_t)(M * a->Kp);
+    a->mem = calloc(1, lanes * 12 + (size_t)(M * a->Gp) * 4 + 3 * bytes + 64);
     if (!a->mem) return -1;
     a->xs = (float *)a->mem;
     a->corr = (int32_t *)(a->xs + lanes);
-    a->sum = (float *)(a->corr + lanes);
-    a->xq = (int8_t *)(a->sum + M * a->Gp);
+    a->corr3 = a->corr + lanes;
+    a->sum = (float *)(a->corr3 + lanes);
+    for (int k = 0; k < 3; k++) a->xq[k] = (int8_t *)(a->sum + M * a->Gp) + k * bytes;
+    const float unit = passes == 1 ? 1.0f : passes == 2 ? 1.0f / 128 : 1.0f / 16384;
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
-        int8_t *q = a->xq + m * a->Kp;
+        int8_t *q1 = a->xq[0] + m * a->Kp, *q2 = a->xq[1] + m * a->Kp, *q3 = a->xq[2] + m * a->Kp;
         float *xs = a->xs + m * a->Kp / 4;
-        int32_t *corr = a->corr + m * a->Kp / 4;
         for (int64_t g = 0; g < K / A; g++) {
             const float *xg = xm + g * A;
             float mx = 0.0f;
@@ -72,17 +83,25 @@ static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, i
                 float v = xg[j] < 0 ? -xg[j] : xg[j];
                 mx = v > mx ? v : mx;
             }
-            const float inv = mx > 0.0f ? 127.0f / mx : 0.0f, scale = mx / 127.0f;
-            for (int64_t j = 0; j < A; j++) {
-                /* round to nearest (even) by the float32 magic number; |x * inv| <= 127 (+ rounding) */
-                float r = (xg[j] * inv + 12582912.0f) - 12582912.0f;
-                q[g * A + j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+            for (int64_t j = g * A; j < (g + 1) * A; j++) {
+                const float u = xm[j] * inv, r1 = round_even(u);  /* |u| <= 127 (+ rounding) */
+                q1[j] = clamp8(r1, 127.0f);
+                if (passes >= 2) {  /* what is left, in [-1/2, 1/2], in steps of 1/128 */
+                    const float v = (u - r1) * 128.0f, r2 = round_even(v);
+                    q2[j] = clamp8(r2, 64.0f);
+                    if (passes == 3) q3[j] = clamp8(round_even((v - r2) * 128.0f), 64.0f);
+                }
             }
-            for (int64_t l = 0; l < A / 4; l++) xs[g * A / 4 + l] = scale;
+            for (int64_t l = 0; l < A / 4; l++) xs[g * A / 4 + l] = mx / 127.0f * unit;
         }
-        if (signed_codes)
-            for (int64_t l = 0; l < K / 4; l++)
-                corr[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+        if (signed_codes) {
+            int32_t *corr = a->corr + m * a->Kp / 4, *corr3 = a->corr3 + m * a->Kp / 4;
+            for (int64_t l = 0; l < K / 4; l++) {
+                corr[l] = -128 * lane_sum(q1 + 4 * l) - (passes >= 2 ? lane_sum(q2 + 4 * l) : 0);
+                corr3[l] = -128 * lane_sum(q3 + 4 * l);
+            }
+        }
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
             for (int64_t j = 0; j < G; j++) s += xm[g * G + j];
@@ -90,6 +109,24 @@ static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, i
         }
     }
     return 0;
+}
+
+/* The rows of one tile: pointers into act_t at row m0 + r. */
+typedef struct {
+    const int8_t *q[3][4];
+    const float *xs[4], *sum[4];
+    const int32_t *corr[4], *corr3[4];
+} rows_t;
+
+static inline void rows_at(rows_t *t, const act_t *a, int64_t m0, int nr) {
+    const int64_t lanes = a->Kp / 4;
+    for (int r = 0; r < nr; r++) {
+        for (int k = 0; k < 3; k++) t->q[k][r] = a->xq[k] + (m0 + r) * a->Kp;
+        t->xs[r] = a->xs + (m0 + r) * lanes;
+        t->sum[r] = a->sum + (m0 + r) * a->Gp;
+        t->corr[r] = a->corr + (m0 + r) * lanes;
+        t->corr3[r] = a->corr3 + (m0 + r) * lanes;
+    }
 }
 
 #define MAX_ROWS 4
@@ -116,11 +153,11 @@ static inline __m512 lane_scales(const float *sn, int64_t c, int64_t G, int64_t 
     return _mm512_permutexvar_ps(idx, s);
 }
 
-/* acc[r] += the products of chunk c (64 weights) of output feature n with row r's codes */
-static inline __attribute__((always_inline)) void chunk512(__m512 *acc, const int8_t *const *xq, const float *const *xs,
-                                                           const int32_t *const *corr, const int nr, const uint8_t *qn,
-                                                           const float *sn, int64_t c, int64_t K, const int64_t G,
-                                                           int64_t groups, const int q4) {
+/* acc[r] += the products of chunk c (64 weights) of one output feature's codes qn with row r */
+static inline __attribute__((always_inline)) void chunk512(__m512 *acc, const rows_t *t, const int nr,
+                                                           const uint8_t *qn, const float *sn, int64_t c, int64_t K,
+                                                           const int64_t G, int64_t groups, const int q4,
+                                                           const int passes) {
     const int64_t left = K - c * 64;
     __m512i w;
     if (q4)
@@ -130,47 +167,41 @@ static inline __attribute__((always_inline)) void chunk512(__m512 *acc, const in
                              _mm512_set1_epi8((char)0x80));
     const __m512 s = lane_scales(sn, c, G, groups);
     for (int r = 0; r < nr; r++) {
-        __m512i d = q4 ? _mm512_setzero_si512() : _mm512_loadu_si512(corr[r] + c * 16);
-        d = _mm512_dpbusd_epi32(d, w, _mm512_loadu_si512(xq[r] + c * 64));
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d), s);
-        acc[r] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xs[r] + c * 16), acc[r]);
+        __m512i d = q4 ? _mm512_setzero_si512() : _mm512_loadu_si512(t->corr[r] + c * 16);
+        d = _mm512_dpbusd_epi32(d, w, _mm512_loadu_si512(t->q[0][r] + c * 64));
+        for (int k = 1; k < passes; k++)
+            d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 7), w, _mm512_loadu_si512(t->q[k][r] + c * 64));
+        if (passes == 3 && !q4) d = _mm512_add_epi32(d, _mm512_loadu_si512(t->corr3[r] + c * 16));
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(d), s);
+        acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(t->xs[r] + c * 16), acc[r]);
     }
 }
 
 static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m0, const int nr, int64_t K,
-                                                       const int64_t G, const int q4, const uint8_t *codes,
-                                                       const float *scales, const float *offsets, const float *bias,
-                                                       float *y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t groups = K / G, chunks = (K + 63) / 64, lanes = a->Kp / 4;
-    const int64_t row_bytes = q4 ? K / 2 : K;
-    const int8_t *xq[MAX_ROWS];
-    const float *xs[MAX_ROWS];
-    const int32_t *corr[MAX_ROWS];
-    const float *sums[MAX_ROWS];
-    for (int r = 0; r < nr; r++) {
-        sums[r] = a->sum + (m0 + r) * a->Gp;
-        xq[r] = a->xq + (m0 + r) * a->Kp;
-        xs[r] = a->xs + (m0 + r) * lanes;
-        corr[r] = a->corr + (m0 + r) * lanes;
-    }
+                                                       const int64_t G, const int q4, const int passes,
+                                                       const uint8_t *codes, const float *scales,
+                                                       const float *offsets, const float *bias, float *y, int64_t N,
+                                                       int64_t n0, int64_t n1) {
+    const int64_t groups = K / G, chunks = (K + 63) / 64, row_bytes = q4 ? K / 2 : K;
+    rows_t t;
+    rows_at(&t, a, m0, nr);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *qn = codes + n * row_bytes;
-        const float *sn = scales + n * groups;
+        const float *sn = scales + n * groups, *on = offsets + n * groups;
         /* two accumulators a row, for even and odd chunks: one row alone is otherwise bound by the latency
          * of its chain of fused multiply-adds */
         __m512 acc[2][MAX_ROWS];
         for (int r = 0; r < nr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
         int64_t c = 0;
         for (; c + 2 <= chunks; c += 2) {
-            chunk512(acc[0], xq, xs, corr, nr, qn, sn, c, K, G, groups, q4);
-            chunk512(acc[1], xq, xs, corr, nr, qn, sn, c + 1, K, G, groups, q4);
+            chunk512(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+            chunk512(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
         }
-        if (c < chunks) chunk512(acc[0], xq, xs, corr, nr, qn, sn, c, K, G, groups, q4);
+        if (c < chunks) chunk512(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
         /* the offset term: sum over groups of o_g * X_g, 16 groups a vector (X padded with zeros) */
-        const float *on = offsets + n * groups;
         for (int64_t g = 0; g < groups; g += 16) {
             __m512 o = _mm512_maskz_loadu_ps(groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1), on + g);
-            for (int r = 0; r < nr; r++) acc[1][r] = _mm512_fmadd_ps(o, _mm512_loadu_ps(sums[r] + g), acc[1][r]);
+            for (int r = 0; r < nr; r++) acc[1][r] = _mm512_fmadd_ps(o, _mm512_loadu_ps(t.sum[r] + g), acc[1][r]);
         }
         for (int r = 0; r < nr; r++)
             y[(m0 + r) * N + n] = hsum(_mm512_add_ps(acc[0][r], acc[1][r])) + (bias ? bias[n] : 0.0f);
@@ -189,11 +220,11 @@ static inline __m256 lane_scales(const float *sn, int64_t c, int64_t G, int64_t 
     return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
 }
 
-/* acc[r] += the products of chunk c (32 weights) of output feature n with row r's codes */
-static inline __attribute__((always_inline)) void chunk256(__m256 *acc, const int8_t *const *xq, const float *const *xs,
-                                                           const int32_t *const *corr, const int nr, const uint8_t *qn,
-                                                           const float *sn, int64_t c, int64_t K, const int64_t G,
-                                                           int64_t groups, const int q4) {
+/* acc[r] += the products of chunk c (32 weights) of one output feature's codes qn with row r */
+static inline __attribute__((always_inline)) void chunk256(__m256 *acc, const rows_t *t, const int nr,
+                                                           const uint8_t *qn, const float *sn, int64_t c, int64_t K,
+                                                           const int64_t G, int64_t groups, const int q4,
+                                                           const int passes) {
     __m256i w;
     if (q4) {  /* K % 32 == 0: whole groups */
         __m128i b = _mm_loadu_si128((const __m128i *)(qn + c * 16)), f = _mm_set1_epi8(15);
@@ -204,45 +235,40 @@ static inline __attribute__((always_inline)) void chunk256(__m256 *acc, const in
     }
     const __m256 s = lane_scales(sn, c, G, groups);
     for (int r = 0; r < nr; r++) {
-        __m256i d = q4 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(corr[r] + c * 8));
-        d = _mm256_dpbusd_avx_epi32(d, w, _mm256_loadu_si256((const __m256i *)(xq[r] + c * 32)));
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
-        acc[r] = _mm256_fmadd_ps(t, _mm256_loadu_ps(xs[r] + c * 8), acc[r]);
+        __m256i d = q4 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(t->corr[r] + c * 8));
+        d = _mm256_dpbusd_avx_epi32(d, w, _mm256_loadu_si256((const __m256i *)(t->q[0][r] + c * 32)));
+        for (int k = 1; k < passes; k++)
+            d = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(d, 7), w,
+                                        _mm256_loadu_si256((const __m256i *)(t->q[k][r] + c * 32)));
+        if (passes == 3 && !q4) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *)(t->corr3[r] + c * 8)));
+        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(t->xs[r] + c * 8), acc[r]);
     }
 }
 
 static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m0, const int nr, int64_t K,
-                                                       const int64_t G, const int q4, const uint8_t *codes,
-                                                       const float *scales, const float *offsets, const float *bias,
-                                                       float *y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t groups = K / G, chunks = (K + 31) / 32, lanes = a->Kp / 4;
-    const int64_t row_bytes = q4 ? K / 2 : K;
-    const int8_t *xq[MAX_ROWS];
-    const float *xs[MAX_ROWS];
-    const int32_t *corr[MAX_ROWS];
-    const float *sums[MAX_ROWS];
-    for (int r = 0; r < nr; r++) {
-        sums[r] = a->sum + (m0 + r) * a->Gp;
-        xq[r] = a->xq + (m0 + r) * a->Kp;
-        xs[r] = a->xs + (m0 + r) * lanes;
-        corr[r] = a->corr + (m0 + r) * lanes;
-    }
+                                                       const int64_t G, const int q4, const int passes,
+                                                       const uint8_t *codes, const float *scales,
+                                                       const float *offsets, const float *bias, float *y, int64_t N,
+                                                       int64_t n0, int64_t n1) {
+    const int64_t groups = K / G, chunks = (K + 31) / 32, row_bytes = q4 ? K / 2 : K;
+    rows_t t;
+    rows_at(&t, a, m0, nr);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *qn = codes + n * row_bytes;
-        const float *sn = scales + n * groups;
+        const float *sn = scales + n * groups, *on = offsets + n * groups;
         __m256 acc[2][MAX_ROWS];  /* even and odd chunks, as in the AVX-512 tile */
         for (int r = 0; r < nr; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
         int64_t c = 0;
         for (; c + 2 <= chunks; c += 2) {
-            chunk256(acc[0], xq, xs, corr, nr, qn, sn, c, K, G, groups, q4);
-            chunk256(acc[1], xq, xs, corr, nr, qn, sn, c + 1, K, G, groups, q4);
+            chunk256(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+            chunk256(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
         }
-        if (c < chunks) chunk256(acc[0], xq, xs, corr, nr, qn, sn, c, K, G, groups, q4);
-        const float *on = offsets + n * groups;  /* the offset term, 8 groups a vector */
-        for (int64_t g = 0; g < groups; g += 8) {
+        if (c < chunks) chunk256(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+        for (int64_t g = 0; g < groups; g += 8) {  /* the offset term, 8 groups a vector */
             __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(groups - g)), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0));
             __m256 o = _mm256_maskload_ps(on + g, keep);
-            for (int r = 0; r < nr; r++) acc[1][r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(sums[r] + g), acc[1][r]);
+            for (int r = 0; r < nr; r++) acc[1][r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(t.sum[r] + g), acc[1][r]);
         }
         for (int r = 0; r < nr; r++)
             y[(m0 + r) * N + n] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (bias ? bias[n] : 0.0f);
@@ -254,23 +280,27 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
  * (G a multiple of 16), codes [N, K]. Returns 0, or -1 when it cannot run (no VNNI, a group it does
  * not take, no memory); the caller then uses the float32 kernel. */
 static int linear(const float *x, int64_t M, int64_t K, int64_t G, int q4, const uint8_t *codes,
-                  const float *scales, const float *offsets, const float *bias, float *y, int64_t N, int nthreads) {
+                  const float *scales, const float *offsets, const float *bias, float *y, int64_t N, int passes,
+                  int nthreads) {
 #if RL_VNNI
-    if (G % 16 || K % G || (64 % G && G % 64) || (q4 && G != 32)) return -1;
+    if (G % 16 || K % G || (64 % G && G % 64) || (q4 && G != 32) || passes < 1 || passes > 3) return -1;
     act_t a;
-    if (act_init(&a, x, M, K, G, !q4)) return -1;
+    if (act_init(&a, x, M, K, G, !q4, passes)) return -1;
     int64_t n_chunks = (N + N_CHUNK - 1) / N_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t c = 0; c < n_chunks; c++) {
         int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
         for (int64_t m = 0; m < M; m += MAX_ROWS) {
             int nr = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
-            /* constant row counts, layouts and small groups: the accumulators stay in registers */
-            const int kind = q4 ? 0 : G == 16 ? 1 : G == 32 ? 2 : 3;
+            /* constant row counts, layouts, passes and small groups: the accumulators stay in registers */
+            const int kind = (q4 ? 0 : G == 16 ? 1 : G == 32 ? 2 : 3) * 3 + passes - 1;
             switch (kind * 4 + nr - 1) {
-#define TILE(k, r, g, is_q4) case k * 4 + r - 1: tile(&a, m, r, K, g, is_q4, codes, scales, offsets, bias, y, N, n0, n1); break;
-#define TILES(k, g, is_q4) TILE(k, 1, g, is_q4) TILE(k, 2, g, is_q4) TILE(k, 3, g, is_q4) TILE(k, 4, g, is_q4)
-            TILES(0, 32, 1) TILES(1, 16, 0) TILES(2, 32, 0) TILES(3, G, 0)
+#define TILE(k, r, g, is_q4, p) \
+    case (k) * 4 + (r) - 1: tile(&a, m, r, K, g, is_q4, p, codes, scales, offsets, bias, y, N, n0, n1); break;
+#define TILES(k, g, is_q4, p) TILE(k, 1, g, is_q4, p) TILE(k, 2, g, is_q4, p) TILE(k, 3, g, is_q4, p) TILE(k, 4, g, is_q4, p)
+#define KIND(k, g, is_q4) TILES(3 * k, g, is_q4, 1) TILES(3 * k + 1, g, is_q4, 2) TILES(3 * k + 2, g, is_q4, 3)
+            KIND(0, 32, 1) KIND(1, 16, 0) KIND(2, 32, 0) KIND(3, G, 0)
+#undef KIND
 #undef TILES
 #undef TILE
             }
@@ -280,17 +310,18 @@ static int linear(const float *x, int64_t M, int64_t K, int64_t G, int q4, const
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)G; (void)q4; (void)codes; (void)scales; (void)offsets; (void)bias;
-    (void)y; (void)N; (void)nthreads; (void)act_init;
+    (void)y; (void)N; (void)passes; (void)nthreads; (void)act_init;
     return -1;
 #endif
 }
 
+/* passes: 1 (x as int8 codes), 2 or 3 (plus int8 codes of what the earlier passes leave; see the header) */
 int rl_q4_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
-                    const float *offsets, const float *bias, float *y, int64_t N, int nthreads) {
-    return linear(x, M, K, 32, 1, codes, scales, offsets, bias, y, N, nthreads);
+                    const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads) {
+    return linear(x, M, K, 32, 1, codes, scales, offsets, bias, y, N, passes, nthreads);
 }
 
 int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_t *codes, const float *scales,
-                    const float *offsets, const float *bias, float *y, int64_t N, int nthreads) {
-    return linear(x, M, K, G, 0, (const uint8_t *)codes, scales, offsets, bias, y, N, nthreads);
+                    const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads) {
+    return linear(x, M, K, G, 0, (const uint8_t *)codes, scales, offsets, bias, y, N, passes, nthreads);
 }
