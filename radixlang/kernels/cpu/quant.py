@@ -44,7 +44,7 @@ VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
 # of what the earlier passes leave: about 15 and 22 significant bits)
 ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2, "int8x3": 3}
 DEFAULT_ACTIVATIONS = "int8x3"  # the one pass of llama.cpp moves SmolLM2's greedy output (its outliers)
-INT8_MAX_ROWS = 4  # past 4 rows the per-row work of three passes outweighs the cheaper decoding of codes
+INT8_MAX_ROWS = 2  # from 3 rows on, the per-row work of three passes outweighs the cheaper decoding
 LAYOUTS = ("q4", "q8")
 
 
