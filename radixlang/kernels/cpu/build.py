@@ -1,4 +1,4 @@
-"""Compile csrc/cpu_ops.c (and csrc/quant_ops.c) with the machine's C compiler once, and cache the shared library.
+"""Compile csrc/cpu_ops.c (and quant_ops.c, quant_vnni.c) with the machine's C compiler once, and cache the library.
 
 The library is built for the CPU it runs on (``-march=native``), so the cache key covers the source,
 the compiler and its version, the flags and the CPU's feature flags. It lives under the user cache
@@ -18,6 +18,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_ops.c"
+QUANT_VNNI_SOURCE = Path(__file__).parent / "csrc" / "quant_vnni.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 

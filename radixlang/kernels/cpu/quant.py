@@ -4,6 +4,14 @@
 byte, groups of 32) or ``q8`` (int8 codes, groups of 16 or 32), with float32 scales and offsets per group.
 ``linear`` multiplies float32 activations by it without forming the float32 weight; ``dequantize`` forms
 it (the weight of a float32 GEMM over many rows). Built on first use like the other CPU kernels.
+
+Two kernels do ``linear``: csrc/quant_ops.c decodes each weight to float32 and multiplies it by the float32
+activations (the result is the dequantized matmul's up to the order of the sums), and csrc/quant_vnni.c,
+on CPUs with AVX512-VNNI or AVX-VNNI, quantizes each activation row to int8 per group of 32 and takes
+integer dot products of codes and activations (lossy by the activation rounding; see its header), in one
+pass (int8) or more (int8x2, int8x3: then the int8 codes of what the earlier passes leave). ``linear(...,
+activations=None)`` takes DEFAULT_ACTIVATIONS for up to INT8_MAX_ROWS rows where the CPU has VNNI and
+the layout fits, else float32.
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlang.kernels.cpu.build import QUANT_SOURCE, BuildError, load_library
+from radixlang.kernels.cpu.build import QUANT_SOURCE, QUANT_VNNI_SOURCE, BuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +33,18 @@ _SIGNATURES = {
     "rl_q4_dequantize": (None, [_P, _P, _P, _P, _I64, _I64, _INT]),
     "rl_q8_dequantize": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _INT]),
 }
+_VNNI_SIGNATURES = {
+    "rl_vnni_level": (_INT, []),
+    "rl_q4_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+    "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+}
+VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
+# how ``linear`` takes the activations: float32 (each weight decoded to float32), or quantized per group of
+# 32 to int8 codes for integer dot products, in one pass (llama.cpp's way) or two or three (the int8 codes
+# of what the earlier passes leave: about 15 and 22 significant bits)
+ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2, "int8x3": 3}
+DEFAULT_ACTIVATIONS = "int8x3"  # the one pass of llama.cpp moves SmolLM2's greedy output (its outliers)
+INT8_MAX_ROWS = 2  # from 3 rows on, the per-row work of three passes outweighs the cheaper decoding
 LAYOUTS = ("q4", "q8")
 
 
@@ -35,6 +55,29 @@ def _library() -> ctypes.CDLL | str:
     except (BuildError, OSError, AttributeError) as e:
         logger.warning("radixlang quantized CPU kernels unavailable: %s", e)
         return str(e)
+
+
+@functools.cache
+def _vnni_library() -> ctypes.CDLL | None:
+    try:
+        lib = load_library(_VNNI_SIGNATURES, QUANT_VNNI_SOURCE)
+    except (BuildError, OSError, AttributeError) as e:
+        logger.warning("radixlang int8-activation kernels unavailable (the float32 ones run): %s", e)
+        return None
+    return lib if lib.rl_vnni_level() in VNNI_LEVELS else None
+
+
+def vnni() -> str | None:
+    """The int8 dot-product instructions the int8-activation kernel was built for here ("avx512-vnni",
+    "avx-vnni"), or None where the CPU has neither (then ``linear`` always runs the float32 kernel)."""
+    lib = _vnni_library()
+    return None if lib is None else VNNI_LEVELS[lib.rl_vnni_level()]
+
+
+def int8_fits(w: QuantWeight) -> bool:
+    """Whether the int8-activation kernel takes this weight here (a VNNI CPU; q8 groups of 16, 32 or a
+    multiple of 64)."""
+    return vnni() is not None and (w.layout == "q4" or 64 % w.group == 0 or w.group % 64 == 0)
 
 
 def available() -> bool:
@@ -89,8 +132,12 @@ class QuantWeight:
                            sum(p.out_features for p in parts), first.in_features)
 
 
-def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, in] float32 @ w^T (+ bias) -> a new [m, out] float32."""
+def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+           activations: str | None = None) -> torch.Tensor:
+    """x [m, in] float32 @ w^T (+ bias) -> a new [m, out] float32.
+
+    ``activations``: one of ACTIVATIONS (the int8 ones raise a ValueError where ``int8_fits`` is false),
+    or None for DEFAULT_ACTIVATIONS where it fits and x has at most INT8_MAX_ROWS rows, else float32."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be float32 [m, {w.in_features}], got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
@@ -99,7 +146,26 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) ->
     if m == 0:
         return y
     b = None if bias is None else bias.data_ptr()
-    lib, threads = _load(), torch.get_num_threads()
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    fits = int8_fits(w)
+    if activations not in (None, "float32") and not fits:
+        raise ValueError(f"no int8-activation kernel here for {w.layout} groups of {w.group} (VNNI: {vnni()})")
+    if activations is None:
+        activations = DEFAULT_ACTIVATIONS if fits and m <= INT8_MAX_ROWS else "float32"
+    threads = torch.get_num_threads()
+    if activations != "float32":
+        vl, passes = _vnni_library(), ACTIVATIONS[activations]
+        assert vl is not None
+        if w.layout == "q4":
+            rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
+                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
+        else:
+            rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, w.codes.data_ptr(), w.scales.data_ptr(),
+                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
+        if rc == 0:
+            return y
+    lib = _load()
     if w.layout == "q4":
         lib.rl_q4_linear(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
                          w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, threads)

@@ -17,10 +17,12 @@ Q6_K   256: 16 x 16 x 6-bit, int8 scales           q8 (group 16) of q - 32, scal
 =====  =========================================  =================================
 
 Each weight the kernel decodes is ``q * scale + offset`` in float32, the number the dequantized model
-holds up to one rounding, and the activations stay float32, so outputs match the ``--dtype float32``
-path (the same file dequantized) to float32 rounding. Tensors of other types (F16, Q5_0, Q2_K, ...) keep
-their dequantized float32 weights, with a log line naming them. q/k/v and gate/up are stacked into the
-model's fused projections; the tied logits projection reads the quantized embedding table.
+holds up to one rounding. With float32 activations, outputs match the ``--dtype float32`` path (the same
+file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
+activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
+Tensors of other types (F16, Q5_0, Q2_K, ...) keep their dequantized float32 weights, with a log line
+naming them. q/k/v and gate/up are stacked into the model's fused projections; the tied logits
+projection reads the quantized embedding table.
 """
 from __future__ import annotations
 

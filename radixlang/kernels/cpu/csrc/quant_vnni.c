@@ -1,0 +1,327 @@
+/* radixlang's quantized linears with int8 activations: integer dot products (VNNI) over the codes of
+ * quant_ops.c's q4 and q8 layouts (see there), for the few rows of a decode step.
+ *
+ * Built on first use like quant_ops.c (-O3 -march=native): with AVX512-VNNI (+BW, VL) each instruction
+ * (vpdpbusd) multiplies 64 unsigned bytes by 64 signed bytes and adds each 4 products into one of 16
+ * int32 lanes; with AVX-VNNI (AVX2 machines) the same on 32 bytes. Without either, rl_vnni_level()
+ * says 0 and quant.py keeps the float32 kernels of quant_ops.c.
+ *
+ * Each row of x is first quantized per group of A = 32 values (16 where K is not a multiple of 32) to
+ * int8, symmetrically: xs = max|x| / 127, u = x / xs in [-127, 127], q1 = round(u), so that
+ * |x - xs * q1| <= xs / 2. With a weight q * s + o per weight group of G, the output feature n is
+ *     y[n] = sum over 4-weight lanes l of  s_l * xs_l * dot_i32(q_l, q1_l)  +  sum over groups g of o_g * X_g
+ * where X_g is the float32 sum of x over the group (exact up to float32 rounding, not quantized).
+ * That is one pass, llama.cpp's way. Its error is up to 1/254 of the group's largest |x| per value; a
+ * group holding one of a model's outlier activations (SmolLM2's reach 30x the group mean) loses most of
+ * its other values that way. So x can also be taken in two or three passes: q2 = round(128 (u - q1)) in
+ * [-64, 64], q3 = round(128 (128 (u - q1) - q2)), u ~ q1 + q2 / 128 + q3 / 128^2, each pass one more
+ * vpdpbusd into the same int32 lanes after a shift left by 7. The error per value is then at most
+ * xs / 2 / 128^(passes - 1): about 15 and 22 significant bits.
+ * q4 codes (0..15) are the unsigned operand as they are. q8 codes are signed: they enter as q + 128
+ * (one xor), and the extra 128 * sum(q_k) of each lane and pass is taken off: the first two passes' by
+ * starting the accumulator at -128 sum(q1) - sum(q2), the third's by one subtraction. The integer
+ * dots are exact and stay within int32 (per lane |sum q q1| <= 4 x 128 x 127, times 128^2 < 2^31); the
+ * error against the float32 kernel is the activation rounding (and float32's own, once per lane).
+ *
+ * Rows are taken four at a time, so a chunk of codes is unpacked once for four rows; each thread owns
+ * a range of output features. The weight scales are expanded to the 16 (or 8) lanes of a vector.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RL_VNNI 2
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define RL_VNNI 1
+#else
+#define RL_VNNI 0
+#endif
+
+/* 2: AVX512-VNNI, 1: AVX-VNNI, 0: none (the functions below then do nothing and return -1) */
+int rl_vnni_level(void) { return RL_VNNI; }
+
+/* One call's quantized activations, each row padded with zeros to Kp (a multiple of 64) values. */
+typedef struct {
+    int64_t Kp, Gp;  /* padded K; weight groups per row padded to a multiple of 16 */
+    int8_t *xq[3];   /* [M, Kp] the codes of each pass */
+    float *xs;       /* [M, Kp / 4] the scale of each 4-value lane, divided by 128^(passes - 1) */
+    float *sum;      /* [M, Gp] the float32 sum of x over each weight group */
+    int32_t *corr;   /* [M, Kp / 4] q8: -128 sum(q1) - sum(q2) of each lane */
+    int32_t *corr3;  /* [M, Kp / 4] q8 with three passes: -128 sum(q3) */
+    void *mem;
+} act_t;
+
+static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }  /* |v| < 2^22 */
+
+static inline int8_t clamp8(float v, float lim) { return (int8_t)(v > lim ? lim : v < -lim ? -lim : v); }
+
+static inline int32_t lane_sum(const int8_t *q) { return q[0] + q[1] + q[2] + q[3]; }
+
+static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, int signed_codes, int passes) {
+    const int64_t A = K % 32 ? 16 : 32, groups = K / G;
+    a->Kp = (K + 63) / 64 * 64;
+    a->Gp = (groups + 15) / 16 * 16;
+    const size_t lanes = (size_t)(M * a->Kp / 4), bytes = (size_t)(M * a->Kp);
+    a->mem = calloc(1, lanes * 12 + (size_t)(M * a->Gp) * 4 + 3 * bytes + 64);
+    if (!a->mem) return -1;
+    a->xs = (float *)a->mem;
+    a->corr = (int32_t *)(a->xs + lanes);
+    a->corr3 = a->corr + lanes;
+    a->sum = (float *)(a->corr3 + lanes);
+    for (int k = 0; k < 3; k++) a->xq[k] = (int8_t *)(a->sum + M * a->Gp) + k * bytes;
+    const float unit = passes == 1 ? 1.0f : passes == 2 ? 1.0f / 128 : 1.0f / 16384;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        int8_t *q1 = a->xq[0] + m * a->Kp, *q2 = a->xq[1] + m * a->Kp, *q3 = a->xq[2] + m * a->Kp;
+        float *xs = a->xs + m * a->Kp / 4;
+        for (int64_t g = 0; g < K / A; g++) {
+            const float *xg = xm + g * A;
+            float mx = 0.0f;
+            for (int64_t j = 0; j < A; j++) {
+                float v = xg[j] < 0 ? -xg[j] : xg[j];
+                mx = v > mx ? v : mx;
+            }
+            const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+            for (int64_t j = g * A; j < (g + 1) * A; j++) {
+                const float u = xm[j] * inv, r1 = round_even(u);  /* |u| <= 127 (+ rounding) */
+                q1[j] = clamp8(r1, 127.0f);
+                if (passes >= 2) {  /* what is left, in [-1/2, 1/2], in steps of 1/128 */
+                    const float v = (u - r1) * 128.0f, r2 = round_even(v);
+                    q2[j] = clamp8(r2, 64.0f);
+                    if (passes == 3) q3[j] = clamp8(round_even((v - r2) * 128.0f), 64.0f);
+                }
+            }
+            for (int64_t l = 0; l < A / 4; l++) xs[g * A / 4 + l] = mx / 127.0f * unit;
+        }
+        if (signed_codes) {
+            int32_t *corr = a->corr + m * a->Kp / 4, *corr3 = a->corr3 + m * a->Kp / 4;
+            for (int64_t l = 0; l < K / 4; l++) {
+                corr[l] = -128 * lane_sum(q1 + 4 * l) - (passes >= 2 ? lane_sum(q2 + 4 * l) : 0);
+                corr3[l] = -128 * lane_sum(q3 + 4 * l);
+            }
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < G; j++) s += xm[g * G + j];
+            a->sum[m * a->Gp + g] = s;
+        }
+    }
+    return 0;
+}
+
+/* The rows of one tile: pointers into act_t at row m0 + r. */
+typedef struct {
+    const int8_t *q[3][4];
+    const float *xs[4], *sum[4];
+    const int32_t *corr[4], *corr3[4];
+} rows_t;
+
+static inline void rows_at(rows_t *t, const act_t *a, int64_t m0, int nr) {
+    const int64_t lanes = a->Kp / 4;
+    for (int r = 0; r < nr; r++) {
+        for (int k = 0; k < 3; k++) t->q[k][r] = a->xq[k] + (m0 + r) * a->Kp;
+        t->xs[r] = a->xs + (m0 + r) * lanes;
+        t->sum[r] = a->sum + (m0 + r) * a->Gp;
+        t->corr[r] = a->corr + (m0 + r) * lanes;
+        t->corr3[r] = a->corr3 + (m0 + r) * lanes;
+    }
+}
+
+#define MAX_ROWS 4
+#define N_CHUNK 64
+
+#if RL_VNNI == 2
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* q4: the 32 bytes of two groups -> 64 codes in x's order (per group: 16 low nibbles, 16 high) */
+static inline __m512i q4_codes(const uint8_t *p, __mmask32 m) {
+    __m256i b = _mm256_maskz_loadu_epi8(m, p);
+    __m512i v = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(b));
+    v = _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+    return _mm512_and_si512(v, _mm512_set1_epi8(15));
+}
+
+/* the weight scale of each int32 lane of chunk c: group (64 c + 4 l) / G, for 64 % G == 0 or G % 64 == 0 */
+static inline __m512 lane_scales(const float *sn, int64_t c, int64_t G, int64_t groups) {
+    if (G >= 64) return _mm512_set1_ps(sn[c * 64 / G]);
+    const int64_t per = 64 / G, g0 = c * per, have = groups - g0 < per ? groups - g0 : per;
+    __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << have) - 1), sn + g0);
+    __m512i idx = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                          : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, s);
+}
+
+/* acc[r] += the products of chunk c (64 weights) of one output feature's codes qn with row r */
+static inline __attribute__((always_inline)) void chunk512(__m512 *acc, const rows_t *t, const int nr,
+                                                           const uint8_t *qn, const float *sn, int64_t c, int64_t K,
+                                                           const int64_t G, int64_t groups, const int q4,
+                                                           const int passes) {
+    const int64_t left = K - c * 64;
+    __m512i w;
+    if (q4)
+        w = q4_codes(qn + c * 32, left >= 64 ? 0xFFFFFFFFu : 0xFFFFu);
+    else
+        w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(left >= 64 ? ~0ull : (1ull << left) - 1, qn + c * 64),
+                             _mm512_set1_epi8((char)0x80));
+    const __m512 s = lane_scales(sn, c, G, groups);
+    for (int r = 0; r < nr; r++) {
+        __m512i d = q4 ? _mm512_setzero_si512() : _mm512_loadu_si512(t->corr[r] + c * 16);
+        d = _mm512_dpbusd_epi32(d, w, _mm512_loadu_si512(t->q[0][r] + c * 64));
+        for (int k = 1; k < passes; k++)
+            d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 7), w, _mm512_loadu_si512(t->q[k][r] + c * 64));
+        if (passes == 3 && !q4) d = _mm512_add_epi32(d, _mm512_loadu_si512(t->corr3[r] + c * 16));
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(d), s);
+        acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(t->xs[r] + c * 16), acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m0, const int nr, int64_t K,
+                                                       const int64_t G, const int q4, const int passes,
+                                                       const uint8_t *codes, const float *scales,
+                                                       const float *offsets, const float *bias, float *y, int64_t N,
+                                                       int64_t n0, int64_t n1) {
+    const int64_t groups = K / G, chunks = (K + 63) / 64, row_bytes = q4 ? K / 2 : K;
+    rows_t t;
+    rows_at(&t, a, m0, nr);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *qn = codes + n * row_bytes;
+        const float *sn = scales + n * groups, *on = offsets + n * groups;
+        /* two accumulators a row, for even and odd chunks: one row alone is otherwise bound by the latency
+         * of its chain of fused multiply-adds */
+        __m512 acc[2][MAX_ROWS];
+        for (int r = 0; r < nr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 2 <= chunks; c += 2) {
+            chunk512(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+            chunk512(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
+        }
+        if (c < chunks) chunk512(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+        /* the offset term: sum over groups of o_g * X_g, 16 groups a vector (X padded with zeros) */
+        for (int64_t g = 0; g < groups; g += 16) {
+            __m512 o = _mm512_maskz_loadu_ps(groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1), on + g);
+            for (int r = 0; r < nr; r++) acc[1][r] = _mm512_fmadd_ps(o, _mm512_loadu_ps(t.sum[r] + g), acc[1][r]);
+        }
+        for (int r = 0; r < nr; r++)
+            y[(m0 + r) * N + n] = hsum(_mm512_add_ps(acc[0][r], acc[1][r])) + (bias ? bias[n] : 0.0f);
+    }
+}
+#elif RL_VNNI == 1
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 lane_scales(const float *sn, int64_t c, int64_t G, int64_t groups) {
+    if (G >= 32) return _mm256_set1_ps(sn[c * 32 / G]);
+    const float lo = sn[2 * c], hi = 2 * c + 1 < groups ? sn[2 * c + 1] : 0.0f;  /* G == 16 */
+    return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
+}
+
+/* acc[r] += the products of chunk c (32 weights) of one output feature's codes qn with row r */
+static inline __attribute__((always_inline)) void chunk256(__m256 *acc, const rows_t *t, const int nr,
+                                                           const uint8_t *qn, const float *sn, int64_t c, int64_t K,
+                                                           const int64_t G, int64_t groups, const int q4,
+                                                           const int passes) {
+    __m256i w;
+    if (q4) {  /* K % 32 == 0: whole groups */
+        __m128i b = _mm_loadu_si128((const __m128i *)(qn + c * 16)), f = _mm_set1_epi8(15);
+        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));
+    } else {
+        __m256i m = K - c * 32 >= 32 ? _mm256_set1_epi32(-1) : _mm256_set_epi32(0, 0, 0, 0, -1, -1, -1, -1);
+        w = _mm256_xor_si256(_mm256_maskload_epi32((const int *)(qn + c * 32), m), _mm256_set1_epi8((char)0x80));
+    }
+    const __m256 s = lane_scales(sn, c, G, groups);
+    for (int r = 0; r < nr; r++) {
+        __m256i d = q4 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(t->corr[r] + c * 8));
+        d = _mm256_dpbusd_avx_epi32(d, w, _mm256_loadu_si256((const __m256i *)(t->q[0][r] + c * 32)));
+        for (int k = 1; k < passes; k++)
+            d = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(d, 7), w,
+                                        _mm256_loadu_si256((const __m256i *)(t->q[k][r] + c * 32)));
+        if (passes == 3 && !q4) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *)(t->corr3[r] + c * 8)));
+        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), s);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(t->xs[r] + c * 8), acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m0, const int nr, int64_t K,
+                                                       const int64_t G, const int q4, const int passes,
+                                                       const uint8_t *codes, const float *scales,
+                                                       const float *offsets, const float *bias, float *y, int64_t N,
+                                                       int64_t n0, int64_t n1) {
+    const int64_t groups = K / G, chunks = (K + 31) / 32, row_bytes = q4 ? K / 2 : K;
+    rows_t t;
+    rows_at(&t, a, m0, nr);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *qn = codes + n * row_bytes;
+        const float *sn = scales + n * groups, *on = offsets + n * groups;
+        __m256 acc[2][MAX_ROWS];  /* even and odd chunks, as in the AVX-512 tile */
+        for (int r = 0; r < nr; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 2 <= chunks; c += 2) {
+            chunk256(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+            chunk256(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
+        }
+        if (c < chunks) chunk256(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
+        for (int64_t g = 0; g < groups; g += 8) {  /* the offset term, 8 groups a vector */
+            __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(groups - g)), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+            __m256 o = _mm256_maskload_ps(on + g, keep);
+            for (int r = 0; r < nr; r++) acc[1][r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(t.sum[r] + g), acc[1][r]);
+        }
+        for (int r = 0; r < nr; r++)
+            y[(m0 + r) * N + n] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (bias ? bias[n] : 0.0f);
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias). q4: G == 32, codes [N, K / 2]; q8: 64 % G == 0 or G % 64 == 0
+ * (G a multiple of 16), codes [N, K]. Returns 0, or -1 when it cannot run (no VNNI, a group it does
+ * not take, no memory); the caller then uses the float32 kernel. */
+static int linear(const float *x, int64_t M, int64_t K, int64_t G, int q4, const uint8_t *codes,
+                  const float *scales, const float *offsets, const float *bias, float *y, int64_t N, int passes,
+                  int nthreads) {
+#if RL_VNNI
+    if (G % 16 || K % G || (64 % G && G % 64) || (q4 && G != 32) || passes < 1 || passes > 3) return -1;
+    act_t a;
+    if (act_init(&a, x, M, K, G, !q4, passes)) return -1;
+    int64_t n_chunks = (N + N_CHUNK - 1) / N_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t c = 0; c < n_chunks; c++) {
+        int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
+        for (int64_t m = 0; m < M; m += MAX_ROWS) {
+            int nr = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
+            /* constant row counts, layouts, passes and small groups: the accumulators stay in registers */
+            const int kind = (q4 ? 0 : G == 16 ? 1 : G == 32 ? 2 : 3) * 3 + passes - 1;
+            switch (kind * 4 + nr - 1) {
+#define TILE(k, r, g, is_q4, p) \
+    case (k) * 4 + (r) - 1: tile(&a, m, r, K, g, is_q4, p, codes, scales, offsets, bias, y, N, n0, n1); break;
+#define TILES(k, g, is_q4, p) TILE(k, 1, g, is_q4, p) TILE(k, 2, g, is_q4, p) TILE(k, 3, g, is_q4, p) TILE(k, 4, g, is_q4, p)
+#define KIND(k, g, is_q4) TILES(3 * k, g, is_q4, 1) TILES(3 * k + 1, g, is_q4, 2) TILES(3 * k + 2, g, is_q4, 3)
+            KIND(0, 32, 1) KIND(1, 16, 0) KIND(2, 32, 0) KIND(3, G, 0)
+#undef KIND
+#undef TILES
+#undef TILE
+            }
+        }
+    }
+    free(a.mem);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)G; (void)q4; (void)codes; (void)scales; (void)offsets; (void)bias;
+    (void)y; (void)N; (void)passes; (void)nthreads; (void)act_init;
+    return -1;
+#endif
+}
+
+/* passes: 1 (x as int8 codes), 2 or 3 (plus int8 codes of what the earlier passes leave; see the header) */
+int rl_q4_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
+                    const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads) {
+    return linear(x, M, K, 32, 1, codes, scales, offsets, bias, y, N, passes, nthreads);
+}
+
+int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_t *codes, const float *scales,
+                    const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads) {
+    return linear(x, M, K, G, 0, (const uint8_t *)codes, scales, offsets, bias, y, N, passes, nthreads);
+}

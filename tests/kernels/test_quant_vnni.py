@@ -1,0 +1,94 @@
+"""The int8-activation quantized linears (csrc/quant_vnni.c) against the dequantized float32 weight.
+
+Tolerance: a row of x is quantized per group of A = 32 values (16 where the width is not a multiple of 32)
+to int8 codes of step xs = max|x_group| / 127, each value rounded to the nearest step, so each value is off
+by at most xs / 2 after one pass, and by at most xs / 2 / 128^(passes - 1) after two or three (each further
+pass codes what is left in steps 128 times finer). The integer dot products are exact, so an output is off
+from the float64 matmul of the dequantized weight by at most
+    bound = sum over groups g of  max|x_g| / 254 / 128^(passes - 1) * sum_{j in g} |w_j|
+plus float32 rounding (checked with rtol 1e-5 of sum |x| |w|, as the float32 kernel's own test does).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlang.kernels.cpu import quant as qk
+
+from test_quant_kernels import _q4, _q8
+
+pytestmark = pytest.mark.skipif(not qk.available() or qk.vnni() is None,
+                                reason="no VNNI on this CPU (or no compiler): the float32 kernel runs instead")
+
+PASSES = {"int8": 1, "int8x2": 2, "int8x3": 3}
+
+
+def _bound(x: torch.Tensor, ref: torch.Tensor, passes: int) -> torch.Tensor:
+    m, k = x.shape
+    a = 32 if k % 32 == 0 else 16
+    step = x.double().abs().view(m, k // a, a).amax(-1) / 254 / 128 ** (passes - 1)  # [m, k / a]
+    return step @ ref.double().abs().view(-1, k // a, a).sum(-1).t()  # [m, n]
+
+
+MAKERS = {"q4": lambda n, k, s: _q4(n, k, s), "q8-g16": lambda n, k, s: _q8(n, k, 16, s),
+          "q8-g32": lambda n, k, s: _q8(n, k, 32, s), "q8-g64": lambda n, k, s: _q8(n, k, 64, s)}
+
+
+@pytest.mark.parametrize("layout", list(MAKERS))
+@pytest.mark.parametrize("activations", list(PASSES))
+def test_int8_activations_match_the_dequantized_weight_within_the_rounding_bound(layout, activations):
+    g = torch.Generator().manual_seed(len(layout) + PASSES[activations])
+    widths = {"q4": [96, 160, 576, 1536], "q8-g16": [48, 80, 96, 592], "q8-g32": [96, 160, 576],
+              "q8-g64": [128, 576]}[layout]  # 96, 160, 80, 592: not multiples of 64 (a partial last chunk)
+    for k in widths:
+        n = int(torch.randint(1, 150, (1,), generator=g))
+        w, ref = MAKERS[layout](n, k, k)
+        for m in range(1, 17):
+            # uneven magnitudes across the row, and one outlier column, as a model's activations have
+            x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
+            x[:, int(torch.randint(0, k, (1,), generator=g))] *= 40
+            bias = torch.randn(n, generator=g)
+            got = qk.linear(x, w, bias, activations=activations).double()
+            want = x.double() @ ref.double().t() + bias.double()
+            scale = x.double().abs() @ ref.double().abs().t()
+            err = (got - want).abs()
+            assert (err <= _bound(x, ref, PASSES[activations]) + 1e-5 * scale + 1e-5).all(), (k, m, err.max())
+            if activations == "int8":  # it is the int8 kernel that ran: it differs from the float32 one
+                assert not torch.allclose(got, qk.linear(x, w, bias, activations="float32").double(), rtol=1e-6)
+
+
+def test_each_pass_is_about_128_times_closer():
+    w, ref = _q4(256, 576, seed=3)
+    x = torch.randn(4, 576) * torch.rand(1, 576) * 3
+    want = x.double() @ ref.double().t()
+    errs = [(qk.linear(x, w, activations=a).double() - want).abs().max().item() for a in PASSES]
+    assert errs[1] < errs[0] / 30 and errs[2] < errs[1] / 30, errs
+    assert errs[2] < 1e-4 * want.abs().max().item()
+
+
+def test_default_takes_three_passes_for_few_rows_and_float32_past_them():
+    w, _ = _q4(64, 96)
+    for m in (1, qk.INT8_MAX_ROWS, qk.INT8_MAX_ROWS + 1):
+        x = torch.randn(m, 96)
+        want = "int8x3" if m <= qk.INT8_MAX_ROWS else "float32"
+        assert torch.equal(qk.linear(x, w), qk.linear(x, w, activations=want))
+    assert qk.DEFAULT_ACTIVATIONS == "int8x3"
+
+
+def test_bad_activation_choices_are_refused():
+    w, _ = _q4(64, 64)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        qk.linear(torch.randn(1, 64), w, activations="int4")
+    odd, _ = _q8(16, 96, 48)  # a group of 48 straddles the 64-weight chunks
+    assert not qk.int8_fits(odd)
+    with pytest.raises(ValueError, match="no int8-activation kernel here"):
+        qk.linear(torch.randn(1, 96), odd, activations="int8")
+    torch.testing.assert_close(qk.linear(torch.randn(0, 96), odd), torch.empty(0, 16))
+
+
+def test_zero_rows_and_zero_groups():
+    w, ref = _q4(40, 128)
+    x = torch.zeros(2, 128)
+    x[1, 32:64] = torch.randn(32)  # row 0 all zero; row 1 has zero groups around a live one
+    want = x.double() @ ref.double().t()
+    torch.testing.assert_close(qk.linear(x, w, activations="int8x3").double(), want, rtol=1e-5, atol=1e-5)
