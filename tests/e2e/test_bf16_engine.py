@@ -9,13 +9,17 @@ pytestmark = pytest.mark.e2e
 
 def test_engine_bf16_scores_like_fp32(tiny_model_dir, tiny_engine):
     from radixlang import Engine
+    from radixlang.runtime.models.packed import PackedLinear, packing_available
     prompt = list(range(5, 45))
     ref = tiny_engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                                logprob_start_len=0)
     with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048, dtype="bfloat16") as bf:
         runner = bf.scheduler.runner
         assert runner.model.embed_tokens.weight.dtype == torch.bfloat16
-        assert runner.model.layers[0].mlp.gate_up_proj.dtype == torch.bfloat16  # packed (oneDNN layout) in bf16
+        layer = runner.model.layers[0].mlp.gate_up_proj
+        # packed (oneDNN layout) in bf16 where this CPU can pack bf16 (AVX-512 BW/VL/DQ), else plain
+        assert isinstance(layer, PackedLinear) == packing_available(torch.bfloat16)
+        assert (layer.dtype if isinstance(layer, PackedLinear) else layer.weight.dtype) == torch.bfloat16
         assert runner.kv_pool.get_key_buffer(0).dtype == torch.float32  # CPU attention runs in float32
         out = bf.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                           logprob_start_len=0)

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch bu
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not packing_available(torch.bfloat16), reason="oneDNN cannot pack bfloat16 on this CPU (no AVX-512 BW/VL/DQ)"))])
 def test_packed_linear_matches_linear(bias, dtype):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias).to(dtype)
@@ -43,12 +44,25 @@ def test_small_rows_run_on_the_kept_row_major_weight(bias, monkeypatch):
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     assert calls == [1, 2, 2, 3, 4]  # at most SMALL_ROWS (4) rows on the C kernel; more on the packed matmul
-    assert PackedLinear.from_linear(nn.Linear(8, 8).to(torch.bfloat16), keep_plain=True).plain is None
+    if packing_available(torch.bfloat16):
+        assert PackedLinear.from_linear(nn.Linear(8, 8).to(torch.bfloat16), keep_plain=True).plain is None
 
 
 def test_packed_linear_refuses_other_dtypes():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.float16), None)
+
+
+def test_bf16_packs_only_where_the_cpu_can(monkeypatch):
+    """An AVX2-only CPU cannot pack bfloat16: its linears stay plain nn.Linear and still run."""
+    from radixlang.runtime.models import packed as packed_mod
+    monkeypatch.setattr(packed_mod, "_PACKABLE", (torch.float32,))
+    m = nn.Sequential(nn.Linear(16, 8).to(torch.bfloat16))
+    assert pack_model_(m) == 0 and type(m[0]) is nn.Linear
+    with pytest.raises(ValueError, match="cannot pack a torch.bfloat16"):
+        PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+    m32 = nn.Sequential(nn.Linear(16, 8))
+    assert pack_model_(m32) == 1 and isinstance(m32[0], PackedLinear)
 
 
 def test_pack_model_replaces_linears_and_ties_logits():

@@ -63,14 +63,31 @@ def row_counts() -> list[int]:
     return sorted({bucket_rows(m) for m in range(1, CHUNK_ROWS + 1)})
 
 
-def packing_available() -> bool:
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack a ``dtype`` weight on this CPU. bfloat16 packing needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT; without them (an AVX2-only CPU) oneDNN refuses it and bfloat16 linears stay plain."""
+    return dtype in _packable_dtypes()
+
+
+_PACKABLE: tuple[torch.dtype, ...] | None = None
+
+
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    global _PACKABLE
+    if _PACKABLE is None:
+        _PACKABLE = tuple(d for d in PACKABLE_DTYPES if _can_pack(d))
+    return _PACKABLE
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        return (torch.ops.mkldnn._reorder_linear_weight is not None
-                and torch.ops.mkldnn._linear_pointwise is not None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), PACK_ROWS_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), packed, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
+    return bool((y.float() == 16).all())
 
 
 class PackedLinear(nn.Module):
@@ -83,6 +100,8 @@ class PackedLinear(nn.Module):
         if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
             raise ValueError(f"PackedLinear takes a float32 or bfloat16 CPU weight, got {weight.dtype} "
                              f"on {weight.device}")
+        if not packing_available(weight.dtype):
+            raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on this CPU")
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().clone()
@@ -134,22 +153,23 @@ def pack_model_(model: nn.Module, *, keep_plain: bool = False) -> int:
     """Replace the model's plain nn.Linear layers (and the tied logits projection) in place.
 
     Returns how many layers were packed; 0 when packing is unavailable or the weights are not
-    float32/bfloat16 on the CPU. Tensor-parallel row layers (subclasses) keep F.linear.
+    float32/bfloat16 on the CPU (bfloat16 only where this CPU can pack it: ``packing_available``). Tensor-parallel row layers (subclasses) keep F.linear.
     ``keep_plain``: float32 layers keep their row-major weight too, for decode steps of at most
     SMALL_ROWS rows on the C kernel (the tied logits use the embedding table itself).
     """
-    if not packing_available():
+    dtypes = _packable_dtypes()
+    if not dtypes:
         logger.info("oneDNN weight packing is unavailable in this PyTorch build; linears stay plain")
         return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKABLE_DTYPES:
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
                 setattr(module, name, PackedLinear.from_linear(child, keep_plain=keep_plain))
                 count += 1
     embed = getattr(model, "embed_tokens", None)
     if (count and getattr(model, "lm_head", "absent") is None and type(embed) is nn.Embedding
-            and embed.weight.dtype in PACKABLE_DTYPES):
+            and embed.weight.dtype in dtypes):
         model.lm_head = PackedLinear(embed.weight, None, keep_plain=keep_plain)  # tied: a packed copy for the logits
         count += 1
     warmed = set()
