@@ -12,7 +12,7 @@ Workloads:
 - ``extract``: one request whose answer copies its prompt (a document to repeat), up to 160 new tokens
   to its natural end; tokens/s. Here the speculative systems run too: radixlang with
   ``--speculative-algorithm ngram`` and llama-server with ``--spec-type ngram-simple``.
-- ``shared_prefix``: 32 requests at once on a ~430-token few-shot prefix, 16 new tokens each, two rounds
+- ``shared_prefix``: 32 requests at once on a ~613-token few-shot prefix, 16 new tokens each, two rounds
   with different questions; wall seconds.
 - ``chats``: 8 chats x 4 turns, the 8 at a time, 24 new tokens a turn (each turn resends the history);
   wall seconds.
