@@ -153,7 +153,8 @@ def pack_model_(model: nn.Module, *, keep_plain: bool = False) -> int:
     """Replace the model's plain nn.Linear layers (and the tied logits projection) in place.
 
     Returns how many layers were packed; 0 when packing is unavailable or the weights are not
-    float32/bfloat16 on the CPU (bfloat16 only where this CPU can pack it: ``packing_available``). Tensor-parallel row layers (subclasses) keep F.linear.
+    float32/bfloat16 on the CPU (bfloat16 only where this CPU can pack it: ``packing_available``).
+    Tensor-parallel row layers (subclasses) keep F.linear.
     ``keep_plain``: float32 layers keep their row-major weight too, for decode steps of at most
     SMALL_ROWS rows on the C kernel (the tied logits use the embedding table itself).
     """
