@@ -30,16 +30,29 @@ def _bound(x: torch.Tensor, ref: torch.Tensor, passes: int) -> torch.Tensor:
     return step @ ref.double().abs().view(-1, k // a, a).sum(-1).t()  # [m, n]
 
 
+def _no_offsets(made: tuple[qk.QuantWeight, torch.Tensor]) -> tuple[qk.QuantWeight, torch.Tensor]:
+    """The same codes and scales with every offset 0 (Q8_0, Q6_K): the kernel skips the offset term."""
+    w, ref = made
+    n, k, g = w.out_features, w.in_features, w.group
+    zero = qk.QuantWeight(w.layout, w.codes, w.scales, torch.zeros_like(w.offsets), g, n, k)
+    assert w.has_offsets and not zero.has_offsets
+    return zero, ref - w.offsets.repeat_interleave(g, dim=1)
+
+
 MAKERS = {"q4": lambda n, k, s: _q4(n, k, s), "q8-g16": lambda n, k, s: _q8(n, k, 16, s),
-          "q8-g32": lambda n, k, s: _q8(n, k, 32, s), "q8-g64": lambda n, k, s: _q8(n, k, 64, s)}
+          "q8-g32": lambda n, k, s: _q8(n, k, 32, s), "q8-g64": lambda n, k, s: _q8(n, k, 64, s),
+          "q8-g32-no-offsets": lambda n, k, s: _no_offsets(_q8(n, k, 32, s)),
+          "q8-g16-no-offsets": lambda n, k, s: _no_offsets(_q8(n, k, 16, s)),
+          "q4-no-offsets": lambda n, k, s: _no_offsets(_q4(n, k, s))}
 
 
 @pytest.mark.parametrize("layout", list(MAKERS))
 @pytest.mark.parametrize("activations", list(PASSES))
 def test_int8_activations_match_the_dequantized_weight_within_the_rounding_bound(layout, activations):
     g = torch.Generator().manual_seed(len(layout) + PASSES[activations])
+    # 96, 160, 80, 592: not multiples of 64 (a partial last chunk)
     widths = {"q4": [96, 160, 576, 1536], "q8-g16": [48, 80, 96, 592], "q8-g32": [96, 160, 576],
-              "q8-g64": [128, 576]}[layout]  # 96, 160, 80, 592: not multiples of 64 (a partial last chunk)
+              "q8-g64": [128, 576]}[layout.removesuffix("-no-offsets")]
     for k in widths:
         n = int(torch.randint(1, 150, (1,), generator=g))
         w, ref = MAKERS[layout](n, k, k)

@@ -117,6 +117,11 @@ class QuantWeight:
             if t.dtype != torch.float32 or tuple(t.shape) != (n, k // g) or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous float32 {(n, k // g)}, got {t.dtype} {tuple(t.shape)}")
 
+    @functools.cached_property
+    def has_offsets(self) -> bool:
+        """False where every offset is 0 (Q8_0, Q6_K): the int8 kernel then skips the offset term and its reads."""
+        return bool(self.offsets.any())
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
@@ -157,12 +162,13 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
     if activations != "float32":
         vl, passes = _vnni_library(), ACTIVATIONS[activations]
         assert vl is not None
+        offsets = w.offsets.data_ptr() if w.has_offsets else None
         if w.layout == "q4":
             rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
-                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
+                                    offsets, b, y.data_ptr(), w.out_features, passes, threads)
         else:
             rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, w.codes.data_ptr(), w.scales.data_ptr(),
-                                    w.offsets.data_ptr(), b, y.data_ptr(), w.out_features, passes, threads)
+                                    offsets, b, y.data_ptr(), w.out_features, passes, threads)
         if rc == 0:
             return y
     lib = _load()

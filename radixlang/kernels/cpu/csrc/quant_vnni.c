@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
     rows_at(&t, a, m0, nr);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *qn = codes + n * row_bytes;
-        const float *sn = scales + n * groups, *on = offsets + n * groups;
+        const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;
         /* two accumulators a row, for even and odd chunks: one row alone is otherwise bound by the latency
          * of its chain of fused multiply-adds */
         __m512 acc[2][MAX_ROWS];
@@ -198,8 +198,9 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
             chunk512(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
         }
         if (c < chunks) chunk512(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
-        /* the offset term: sum over groups of o_g * X_g, 16 groups a vector (X padded with zeros) */
-        for (int64_t g = 0; g < groups; g += 16) {
+        /* the offset term: sum over groups of o_g * X_g, 16 groups a vector (X padded with zeros); none
+         * where the weight has no offsets (Q8_0, Q6_K: offsets NULL) */
+        for (int64_t g = 0; offsets && g < groups; g += 16) {
             __m512 o = _mm512_maskz_loadu_ps(groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1), on + g);
             for (int r = 0; r < nr; r++) acc[1][r] = _mm512_fmadd_ps(o, _mm512_loadu_ps(t.sum[r] + g), acc[1][r]);
         }
@@ -256,7 +257,7 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
     rows_at(&t, a, m0, nr);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *qn = codes + n * row_bytes;
-        const float *sn = scales + n * groups, *on = offsets + n * groups;
+        const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;
         __m256 acc[2][MAX_ROWS];  /* even and odd chunks, as in the AVX-512 tile */
         for (int r = 0; r < nr; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
         int64_t c = 0;
@@ -265,7 +266,7 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
             chunk256(acc[1], &t, nr, qn, sn, c + 1, K, G, groups, q4, passes);
         }
         if (c < chunks) chunk256(acc[0], &t, nr, qn, sn, c, K, G, groups, q4, passes);
-        for (int64_t g = 0; g < groups; g += 8) {  /* the offset term, 8 groups a vector */
+        for (int64_t g = 0; offsets && g < groups; g += 8) {  /* the offset term, 8 groups a vector (if any) */
             __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(groups - g)), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0));
             __m256 o = _mm256_maskload_ps(on + g, keep);
             for (int r = 0; r < nr; r++) acc[1][r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(t.sum[r] + g), acc[1][r]);
@@ -277,7 +278,8 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
 #endif
 
 /* y [M, N] = x [M, K] @ W^T (+ bias). q4: G == 32, codes [N, K / 2]; q8: 64 % G == 0 or G % 64 == 0
- * (G a multiple of 16), codes [N, K]. Returns 0, or -1 when it cannot run (no VNNI, a group it does
+ * (G a multiple of 16), codes [N, K]. offsets may be NULL where they are all 0 (Q8_0, Q6_K): no offset term
+ * is read or added then. Returns 0, or -1 when it cannot run (no VNNI, a group it does
  * not take, no memory); the caller then uses the float32 kernel. */
 static int linear(const float *x, int64_t M, int64_t K, int64_t G, int q4, const uint8_t *codes,
                   const float *scales, const float *offsets, const float *bias, float *y, int64_t N, int passes,
