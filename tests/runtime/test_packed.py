@@ -103,3 +103,51 @@ def test_engine_packed_matches_plain(tiny_model_dir, tiny_engine):
         la = torch.tensor([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]])
         lb = torch.tensor([lp for lp, _, _ in b["meta_info"]["input_token_logprobs"][1:]])
         torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+
+
+def test_small_row_picks_keep_the_c_kernel_unless_another_is_clearly_faster():
+    from radixlang.runtime.models.packed import CALIBRATE_MARGIN, pick_small_row_kernels
+    close = CALIBRATE_MARGIN + 0.05  # faster than the C kernel, but within the margin
+    picks = pick_small_row_kernels({1: {"c": 1.0, "aten": 0.5, "packed": 0.8},
+                                    2: {"c": 1.0, "aten": close, "packed": 2.0},
+                                    3: {"c": 1.0, "aten": 3.0, "packed": 0.6},
+                                    4: {"c": 0.5, "aten": 1.0, "packed": 1.0}})
+    assert picks[1:] == ["aten", "c", "packed", "c"]
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no CPU kernels here")
+@pytest.mark.parametrize("kernel", ["c", "aten", "packed"])
+def test_each_small_row_kernel_matches_linear_and_is_the_one_that_runs(kernel, monkeypatch):
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 130, bias=True)
+    packed = PackedLinear.from_linear(lin, keep_plain=True)
+    packed.small_kernels = [kernel] * len(packed.small_kernels)
+    c_rows, packed_rows = [], []
+    real_c, real_matmul = cpu_ops.linear, packed._matmul
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a, **kw: c_rows.append(a[0].shape[0]) or real_c(*a, **kw))
+    monkeypatch.setattr(packed, "_matmul", lambda x: packed_rows.append(x.shape[0]) or real_matmul(x))
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(rows, 96)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert c_rows == ([1, 2, 3, 4] if kernel == "c" else [])
+    assert packed_rows == ([1, 2, 3, 4, 7] if kernel == "packed" else [7])  # 7 > SMALL_ROWS: always packed
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no CPU kernels here")
+def test_calibration_sets_every_kept_layer_and_skips_small_models():
+    from radixlang.runtime.models.packed import SMALL_ROW_KERNELS, calibrate_small_rows_
+    torch.manual_seed(0)
+    m = tied_toy_model()
+    pack_model_(m, keep_plain=True)  # a toy model: under CALIBRATE_MIN_BYTES, so no calibration
+    layers = [x for x in m.modules() if isinstance(x, PackedLinear)]
+    assert all(x.small_kernels[1:] == ["c"] * 4 for x in layers)
+    assert calibrate_small_rows_(m) is None
+    picks = calibrate_small_rows_(m, min_bytes=0, repeats=1)
+    assert picks is not None and set(picks) <= set(SMALL_ROW_KERNELS)
+    assert all(x.small_kernels is picks for x in layers)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():  # whatever was picked computes the same layer
+        torch.testing.assert_close(m.block(x), nn.functional.linear(
+            torch.relu(nn.functional.linear(x, m.block[0].plain, m.block[0].bias)),
+            m.block[2].plain, m.block[2].bias), rtol=1e-5, atol=1e-5)

@@ -15,15 +15,23 @@ freezing pass uses); where they are missing the model keeps plain ``nn.Linear``.
 
 At a few rows oneDNN's matmul still reads the weights at only about half the memory
 bandwidth. With radixlang's CPU kernels on (the default), float32 layers also keep their row-major
-weight and run steps of up to ``SMALL_ROWS`` rows on a streaming C kernel: 1.6x faster at batch 1 over
-SmolLM2's linears, at the cost of holding both copies (+425 MB for SmolLM2 in float32; the tied
-logits read the embedding table itself). ``--disable-cpu-kernels`` keeps only the packed copy.
+weight, at the cost of holding both copies (+425 MB for SmolLM2 in float32; the tied logits read the
+embedding table itself), and run steps of up to ``SMALL_ROWS`` rows on whichever of three matmuls is
+fastest on this CPU: radixlang's streaming C kernel, PyTorch's own ``F.linear`` on the row-major
+weight, or the packed one. Which wins depends on the CPU: over SmolLM2's linears on an AMD EPYC (Zen 4)
+the C kernel was 1.6x faster than packed at 1 row and ``F.linear`` 2x slower; over a 0.5B-class model's
+on an Intel Xeon, ``F.linear`` took 15.5 ms, packed 21.5 and the C kernel 24 at 1 row. So
+``calibrate_small_rows_`` times the three once per process on the model's own weights (streamed: at
+least CALIBRATE_BYTES of them) for each row count, and a layer runs the fastest; the C kernel stays
+where nothing beats it by 15%. ``--disable-cpu-kernels`` keeps only the packed copy.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
@@ -47,6 +55,14 @@ CHUNK_ROWS = 256
 # from 5 rows on packed is as fast or faster. Whole decode runs on SmolLM2 (48 tokens, 300-token
 # prompts): batch 2 1.4x faster, batches 3 and 4 the same within noise
 SMALL_ROWS = 4
+# the matmuls a step of at most SMALL_ROWS rows can run on (see the module docstring)
+SMALL_ROW_KERNELS = ("c", "aten", "packed")
+# calibration streams at least this many weight bytes per timing (past the caches), and is skipped for a
+# model whose float32 linears hold less (there the choice hardly matters, and tests stay deterministic)
+CALIBRATE_BYTES = 256 << 20
+CALIBRATE_MIN_BYTES = 64 << 20
+# another matmul replaces the C kernel only when it is at least this much faster (timings are noisy)
+CALIBRATE_MARGIN = 0.85
 
 
 def bucket_rows(m: int) -> int:
@@ -111,6 +127,8 @@ class PackedLinear(nn.Module):
                       and cpu_ops.available() else None)
         if self.bias is not None and self.plain is not None:
             self.bias = self.bias.contiguous()
+        # the matmul of a step of m <= SMALL_ROWS rows, at index m (calibrate_small_rows_ may change it)
+        self.small_kernels: list[str] = ["c"] * (SMALL_ROWS + 1)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, keep_plain: bool = False) -> PackedLinear:
@@ -124,12 +142,21 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         m = x2.shape[0]
         if self.plain is not None and m <= SMALL_ROWS and x2.dtype == torch.float32:
-            y = cpu_ops.linear(x2, self.plain, self.bias, check=False)
+            y = self._small(x2, self.small_kernels[m])
         elif m <= CHUNK_ROWS:
             y = self._matmul(x2)
         else:
             y = torch.cat([self._matmul(x2[i:i + CHUNK_ROWS]) for i in range(0, m, CHUNK_ROWS)])
         return y.view(*lead, self.out_features)
+
+    def _small(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        """A step of at most SMALL_ROWS float32 rows on one of SMALL_ROW_KERNELS (needs the row-major weight)."""
+        assert self.plain is not None
+        if kernel == "c":
+            return cpu_ops.linear(x2, self.plain, self.bias, check=False)
+        if kernel == "aten":
+            return F.linear(x2, self.plain, self.bias)
+        return self._matmul(x2)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         m = x2.shape[0]
@@ -179,4 +206,60 @@ def pack_model_(model: nn.Module, *, keep_plain: bool = False) -> int:
                 key := (m.out_features, m.in_features, m.dtype, m.bias is None)) not in warmed:
             warmed.add(key)
             m.warm_up()
+    if keep_plain:
+        calibrate_small_rows_(model)
     return count
+
+
+def pick_small_row_kernels(times: dict[int, dict[str, float]]) -> list[str]:
+    """From seconds per row count and kernel, the kernel each row count runs: the fastest, unless the C
+    kernel is within CALIBRATE_MARGIN of it (then the C kernel). Index m of the list is m rows."""
+    picks = ["c"] * (SMALL_ROWS + 1)
+    for m, by_kernel in times.items():
+        fastest = min(by_kernel, key=by_kernel.__getitem__)
+        if by_kernel[fastest] < CALIBRATE_MARGIN * by_kernel["c"]:
+            picks[m] = fastest
+    return picks
+
+
+def calibrate_small_rows_(model: nn.Module, *, min_bytes: int | None = None, stream_bytes: int | None = None,
+                          repeats: int = 3) -> list[str] | None:
+    """Time SMALL_ROW_KERNELS on the model's float32 PackedLinears that kept their row-major weight, for 1 to
+    SMALL_ROWS rows, and set every such layer to the fastest per row count (``pick_small_row_kernels``).
+
+    Each timing runs one step over layers holding at least ``stream_bytes`` of weights (all of them in a
+    smaller model), so the weights come from memory as in a decode step, not from the caches; the kernels
+    take turns, best of ``repeats``. Skipped (returns None) where the layers hold less than ``min_bytes``
+    or the C kernels are off (default: CALIBRATE_MIN_BYTES, CALIBRATE_BYTES). Returns the picks, index m for
+    m rows."""
+    min_bytes = CALIBRATE_MIN_BYTES if min_bytes is None else min_bytes
+    stream_bytes = CALIBRATE_BYTES if stream_bytes is None else stream_bytes
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+    total = sum(m.weight_bytes() for m in layers)
+    if not layers or total < min_bytes:
+        return None
+    sample, size = [], 0
+    for layer in layers:
+        sample.append(layer)
+        size += layer.weight_bytes()
+        if size >= stream_bytes:
+            break
+    times: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in range(1, SMALL_ROWS + 1):
+            xs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in sample}}
+            best = dict.fromkeys(SMALL_ROW_KERNELS, float("inf"))
+            for _ in range(repeats):
+                for kernel in SMALL_ROW_KERNELS:
+                    t = time.perf_counter()
+                    for layer in sample:
+                        layer._small(xs[layer.in_features], kernel)
+                    best[kernel] = min(best[kernel], time.perf_counter() - t)
+            times[rows] = best
+    picks = pick_small_row_kernels(times)
+    for layer in layers:
+        layer.small_kernels = picks
+    logger.info("small-row linears over %d MB of weights: %s", size >> 20, "; ".join(
+        f"{rows} row(s) {picks[rows]} (" + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by.items()) + ")"
+        for rows, by in times.items()))
+    return picks
