@@ -1,0 +1,59 @@
+"""tp=2 (two processes over gloo) against tp=1 on families beyond Llama, from checkpoints saved by
+transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
+Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms, local
+rope base on sliding layers) and Qwen2 with a sliding window. Same greedy tokens, logprobs within fp32
+tolerance, a cached prefix reused the same way; tp=1 itself is checked against transformers in
+tests/runtime/test_model_families.py."""
+from __future__ import annotations
+
+import pytest
+
+from radixlang import Engine
+from tiny_model import save_tiny_hf_model
+
+pytestmark = pytest.mark.e2e
+
+WINDOW = 5
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "qwen2_sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
+                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24, layer_types=LAYERS)),
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=LAYERS)),
+}
+SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def _run(engine: Engine) -> list[dict]:
+    kw = dict(sampling_params=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    first = engine.generate(input_ids=[SHARED + [5, 6], list(range(300, 321))], **kw)
+    # its prefix comes from the radix cache (no prompt logprobs asked, so the cached prefix is not recomputed)
+    second = engine.generate(input_ids=SHARED + [9, 8, 7], sampling_params=GREEDY, return_logprob=True,
+                             top_logprobs_num=2)
+    engine.check_memory_leak()
+    return first + [second]
+
+
+def _logprobs(out: dict) -> list[float]:
+    meta = out["meta_info"]
+    vals = [lp for lp, _, _ in meta["input_token_logprobs"] + meta["output_token_logprobs"] if lp is not None]
+    return vals + [lp for row in meta["output_top_logprobs"] for lp, _, _ in row]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_tp2_matches_tp1(name, tmp_path):
+    arch, overrides = FAMILIES[name]
+    folder = save_tiny_hf_model(str(tmp_path / name), arch, seed=5, **overrides)
+    kw = dict(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16)
+    with Engine(**kw) as single:
+        want = _run(single)
+    with Engine(**kw, tp_size=2) as engine:
+        assert engine.scheduler.runner.model.num_heads == 3  # this rank's half of the 6 heads
+        got = _run(engine)
+    assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"], name
+        assert g["meta_info"]["cached_tokens"] == w["meta_info"]["cached_tokens"]
+        assert _logprobs(g) == pytest.approx(_logprobs(w), rel=1e-4, abs=1e-4), name
