@@ -1,7 +1,8 @@
 """tp=2 (two processes over gloo) against tp=1 on families beyond Llama, from checkpoints saved by
 transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
 Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms, local
-rope base on sliding layers) and Qwen2 with a sliding window. Same greedy tokens, logprobs within fp32
+rope base on sliding layers), Qwen2 with a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared
+expert, a dense layer) and Qwen3-MoE. Same greedy tokens, logprobs within fp32
 tolerance, a cached prefix reused the same way; tp=1 itself is checked against transformers in
 tests/runtime/test_model_families.py."""
 from __future__ import annotations
@@ -21,6 +22,14 @@ FAMILIES = {
     "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24, layer_types=LAYERS)),
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=LAYERS)),
+    # MoE: each rank holds every expert over half its intermediate features; a dense layer and a shared
+    # expert (Qwen2-MoE) split like a dense MLP
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                              mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                              norm_topk_prob=True, decoder_sparse_step=1)),
 }
 SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -50,7 +59,12 @@ def test_tp2_matches_tp1(name, tmp_path):
     with Engine(**kw) as single:
         want = _run(single)
     with Engine(**kw, tp_size=2) as engine:
-        assert engine.scheduler.runner.model.num_heads == 3  # this rank's half of the 6 heads
+        model = engine.scheduler.runner.model
+        assert model.num_heads == 3  # this rank's half of the 6 heads
+        experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+        assert bool(experts) == ("moe" in name or name == "mixtral")
+        for m in experts:  # half of each expert's intermediate features
+            assert m.w13.shape[1] == 2 * m.inter and m.inter in (16, 96)
         got = _run(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

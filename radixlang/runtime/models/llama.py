@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             tensor = self.checkpoint_tensor(name, tensor)
-            if load_expert_weight(name, tensor, params, seen):
+            if load_expert_weight(name, tensor, params, seen, self.tp):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue

@@ -16,16 +16,11 @@ class MixtralDecoderLayer(DecoderLayer):
         act = MLP(config, intermediate_size=1)  # only to resolve the activation the dense MLP would use
         return SparseMoE(config, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                          inter=config.intermediate_size, renormalize=True, act=act.act,
-                         act_is_silu=act.act_name == "silu")
+                         act_is_silu=act.act_name == "silu", tp=tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_cls = MixtralDecoderLayer
-
-    def __init__(self, config: Any, *, tp: TPComm | None = None, **kw: Any) -> None:
-        if tp is not None:
-            raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet (tp_size must be 1)")
-        super().__init__(config, tp=tp, **kw)
 
     def checkpoint_name(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")

@@ -26,17 +26,12 @@ class Qwen2MoeDecoderLayer(DecoderLayer):
             return MLP(config, tp)
         shared = None
         if self.shared_expert and getattr(config, "shared_expert_intermediate_size", 0):
-            shared = MLP(config, intermediate_size=config.shared_expert_intermediate_size)
+            shared = MLP(config, tp, intermediate_size=config.shared_expert_intermediate_size)
         act = MLP(config, intermediate_size=1)  # resolves the activation
         return SparseMoE(config, num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                          inter=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
-                         act=act.act, act_is_silu=act.act_name == "silu", shared_expert=shared)
+                         act=act.act, act_is_silu=act.act_name == "silu", shared_expert=shared, tp=tp)
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen2MoeDecoderLayer
-
-    def __init__(self, config: Any, *, tp: TPComm | None = None, **kw: Any) -> None:
-        if tp is not None:
-            raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet (tp_size must be 1)")
-        super().__init__(config, tp=tp, **kw)

@@ -4,6 +4,10 @@ grouped routing, V2 over softmax scores, V3 over sigmoid scores with a selection
 shared expert, and a dispatch that sorts the (token, expert) pairs by expert so each expert runs one
 matmul over all its tokens: the Python loop is over experts (at most ``num_experts`` steps), never
 over tokens.
+
+Under tensor parallelism every rank holds every expert, each over its slice of the intermediate
+features (gate/up rows, down columns, as a dense MLP is split); the router is replicated, so every rank
+routes a token to the same experts, and the ranks' partial sums are all-reduced once per layer.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
+from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
 # checkpoint names of one expert's tensors: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)"
@@ -87,17 +92,22 @@ class Experts(nn.Module):
     """``num_experts`` gated MLPs: w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter]."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: Callable[[torch.Tensor], torch.Tensor],
-                 *, act_is_silu: bool) -> None:
+                 *, act_is_silu: bool, tp: TPComm | None = None) -> None:
+        """``inter``: the checkpoint's intermediate size; a rank of ``tp`` holds inter / tp.size of it."""
         super().__init__()
-        self.num_experts, self.inter = num_experts, inter
+        if tp is not None:
+            inter = split_evenly(inter, tp.size, "expert intermediate features")
+        self.num_experts, self.inter, self.tp = num_experts, inter, tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act, self.act_is_silu = act, act_is_silu
         self.fused = False  # silu(gate) * up on the compiled CPU kernel
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]."""
-        return dispatch(x, weights, ids, self.num_experts, self._expert)
+        """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]
+        (summed over the tensor-parallel ranks)."""
+        out = dispatch(x, weights, ids, self.num_experts, self._expert)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         h = F.linear(xs, self.w13[e])  # [count, 2 * inter]
@@ -137,12 +147,13 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: Any, *, num_experts: int, top_k: int, inter: int, renormalize: bool,
                  act: Callable[[torch.Tensor], torch.Tensor], act_is_silu: bool,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, tp: TPComm | None = None) -> None:
+        """``shared_expert`` is built for the same ``tp`` (a dense MLP that sums over the ranks itself)."""
         super().__init__()
         hidden = config.hidden_size
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inter, act, act_is_silu=act_is_silu)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # replicated: every rank routes alike
+        self.experts = Experts(num_experts, hidden, inter, act, act_is_silu=act_is_silu, tp=tp)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
@@ -156,12 +167,16 @@ class SparseMoE(nn.Module):
         return out
 
 
-def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str]) -> bool:
-    """Copy one expert's checkpoint tensor into the stacked w13 / w2; False when ``name`` is no expert tensor."""
+def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str],
+                       tp: TPComm | None = None) -> bool:
+    """Copy one expert's checkpoint tensor (this rank's slice of it under ``tp``) into the stacked w13 / w2;
+    False when ``name`` is no expert tensor."""
     m = _EXPERT.match(name)
     if m is None:
         return False
     target, half = _PART[m["part"]]
+    if tp is not None:  # gate / up [inter, hidden]: this rank's rows; down [hidden, inter]: its columns
+        tensor = shard_tensor(tensor, tp.rank, tp.size, dim=0 if half is not None else 1)
     pname = f"{m['owner']}.{target}"
     if pname not in params:
         raise ValueError(f"unexpected weight {name!r}")
