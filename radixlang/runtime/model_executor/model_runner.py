@@ -21,6 +21,7 @@ from radixlang.runtime.model_executor.distributed import DistComm, init_group, r
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.layers.attention_config import check_backend_features
+from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
 from radixlang.runtime.models.packed import pack_model_
@@ -83,7 +84,7 @@ class ModelRunner:
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
-        model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 4096) or 4096)
+        model_ctx = rope_context_length(self.hf_config)
         self.context_len = min(args.context_length or model_ctx, model_ctx)
         self.max_total_tokens = args.max_total_tokens or self._auto_kv_tokens()
         self.max_running = min(args.max_running_requests, self.max_total_tokens)

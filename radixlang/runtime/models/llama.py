@@ -24,7 +24,8 @@ from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
 from radixlang.runtime.models.layers.moe import Experts, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
-from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, partial_rotary_factor, rope_tables
+from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_rotary_factor,
+                                                    rope_context_length, rope_tables)
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
@@ -199,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
                                 else ParallelLMHead(vocab, hidden, tp=tp))
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+        max_pos = rope_context_length(config)
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
         # one rotary table per kind of layer (Gemma3's sliding layers use another theta): layer i uses
         # table layer_rope[i]; table 0 is (cos_cache, signed_sin_cache), [max_pos, rotary_dim]

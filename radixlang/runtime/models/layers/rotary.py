@@ -1,11 +1,17 @@
 """Rotary position embeddings: the inverse frequencies of each scaling rule transformers implements,
 the cos / signed-sin tables and the torch rotation (the compiled CPU kernel reads the same tables).
 
-Rules: default, linear, llama3, yarn, longrope (Phi-3: positions before the original context use the
-short factors, later ones the long factors; transformers switches the whole sequence to the long
-factors once it is longer, which a cache of already-rotated keys cannot follow, as in vLLM and SGLang).
-``dynamic`` (NTK scaling that changes with the sequence length) is refused: a cached prefix would have
-been rotated under another length's table.
+Rules: default, linear, llama3, yarn, longrope, dynamic. Two of them change with the sequence length
+in transformers, which re-derives the frequencies from the longest position of each forward call; a cache
+of already-rotated keys cannot follow a whole sequence switching tables, so here each position keeps the
+table its own length gives (what transformers gives a token decoded at that position):
+- longrope (Phi-3): positions before the original context use the short factors, later ones the long
+  factors (transformers switches the whole sequence to the long ones once it is longer);
+- dynamic (NTK): positions before ``max_position_embeddings`` use the plain frequencies; position p past
+  it uses the base theta * (factor * (p + 1) / max_pos - (factor - 1)) ^ (dim / (dim - 2)). The context
+  then reaches factor x max_position_embeddings (``rope_context_length``). A prompt longer than
+  max_position_embeddings, prefilled at once, is rotated differently by transformers (every position
+  with the prompt length's base).
 """
 from __future__ import annotations
 
@@ -14,7 +20,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def _rope_kind(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def rope_context_length(config: Any) -> int:
+    """The positions the rotary tables cover: max_position_embeddings, times the factor for dynamic NTK."""
+    max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+    params = rope_parameters(config)
+    if _rope_kind(params) == "dynamic":
+        return int(max_pos * float(params["factor"]))
+    return max_pos
 
 
 def partial_rotary_factor(config: Any) -> float:
@@ -40,8 +59,8 @@ def rope_inv_freq(config: Any, rotary_dim: int, layer_type: str | None = None) -
     params = rope_parameters(config, layer_type)
     theta = float(params["rope_theta"])
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
+    kind = _rope_kind(params)
+    if kind in ("default", "dynamic"):  # dynamic: the plain frequencies up to max_position_embeddings
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / float(params["factor"]), 1.0
@@ -115,7 +134,18 @@ def rope_tables(config: Any, rotary_dim: int, max_pos: int,
     positions = torch.arange(max_pos)
     cos, sin = _table(inv_freq, attn_factor, positions)
     params = rope_parameters(config, layer_type)
-    if params.get("rope_type", params.get("type")) == "longrope":
+    kind = _rope_kind(params)
+    if kind == "dynamic":
+        ctx = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+        if max_pos > ctx:
+            factor, theta = float(params["factor"]), float(params["rope_theta"])
+            p = positions[ctx:].to(torch.float64)[:, None]
+            base = theta * (factor * (p + 1) / ctx - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))  # [n, 1]
+            freqs = p * base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos[ctx:], sin[ctx:] = emb.cos() * attn_factor, emb.sin() * attn_factor
+            sin[ctx:, :rotary_dim // 2] *= -1  # signed, as _table
+    if kind == "longrope":
         old_ctx = int(params.get("original_max_position_embeddings")
                       or getattr(config, "original_max_position_embeddings"))
         if max_pos > old_ctx:
