@@ -1,10 +1,10 @@
 """tp=2 (two processes over gloo) against tp=1 on families beyond Llama, from checkpoints saved by
 transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
-Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms, local
-rope base on sliding layers), Qwen2 with a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared
-expert, a dense layer) and Qwen3-MoE. Same greedy tokens, logprobs within fp32
-tolerance, a cached prefix reused the same way; tp=1 itself is checked against transformers in
-tests/runtime/test_model_families.py."""
+Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms,
+local rope base on sliding layers), Qwen2 with a sliding window, Phi3 (fused checkpoint tensors), and
+the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE. Same greedy tokens,
+logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1 itself is checked against
+transformers in tests/runtime/test_model_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +22,14 @@ FAMILIES = {
     "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24, layer_types=LAYERS)),
     "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=LAYERS)),
+    # the checkpoint's fused qkv and gate_up cut per part before the rank slice; longrope, partial rotary
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64,
+                                     original_max_position_embeddings=32,
+                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.75,
+                                                      "original_max_position_embeddings": 32,
+                                                      "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                                                      "long_factor": [2.0 + i for i in range(6)]})),
     # MoE: each rank holds every expert over half its intermediate features; a dense layer and a shared
     # expert (Qwen2-MoE) split like a dense MLP
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)),

@@ -1,16 +1,33 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: the Llama decoder; the checkpoint already holds q/k/v fused as
 ``qkv_proj`` and gate/up as ``gate_up_proj`` (our own layout, so they load as they are); longrope and
-partial rotary come from the config (layers/rotary.py)."""
+partial rotary come from the config (layers/rotary.py). Under tensor parallelism the fused tensors are
+first cut back into q / k / v and gate / up, so that each part is sliced per rank as a Llama's is."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Iterable, Iterator
+
+import torch
 
 from radixlang.runtime.models.llama import LlamaForCausalLM
-from radixlang.runtime.models.parallel import TPComm
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any, *, tp: TPComm | None = None, **kw: Any) -> None:
-        if tp is not None:  # the fused checkpoint tensors would need cutting per head before the rank slice
-            raise ValueError("Phi3ForCausalLM does not run with tensor parallelism yet (tp_size must be 1)")
-        super().__init__(config, tp=tp, **kw)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights if self.tp is None else self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        heads = self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim
+        for name, tensor in weights:
+            if name.endswith("self_attn.qkv_proj.weight"):
+                stem = name.removesuffix("qkv_proj.weight")
+                yield stem + "q_proj.weight", tensor[:q]
+                yield stem + "k_proj.weight", tensor[q:q + kv]
+                yield stem + "v_proj.weight", tensor[q + kv:]
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                stem, inter = name.removesuffix("gate_up_proj.weight"), tensor.shape[0] // 2
+                yield stem + "gate_proj.weight", tensor[:inter]
+                yield stem + "up_proj.weight", tensor[inter:]
+            else:
+                yield name, tensor
