@@ -2,7 +2,7 @@
 transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
 Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms,
 local rope base on sliding layers), Qwen2 with a sliding window, Phi3 (fused checkpoint tensors), and
-the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE. Same greedy tokens,
+the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and GPT-OSS (sinks). Same greedy tokens,
 logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1 itself is checked against
 transformers in tests/runtime/test_model_families.py."""
 from __future__ import annotations
@@ -36,6 +36,12 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                               shared_expert_intermediate_size=48, decoder_sparse_step=1,
                                               mlp_only_layers=[1], norm_topk_prob=False)),
+    # sinks per head, biased attention, interleaved gate/up experts with biases, yarn
+    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW,
+                                          layer_types=LAYERS,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                           "original_max_position_embeddings": 512,
+                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
                                               norm_topk_prob=True, decoder_sparse_step=1)),
 }
@@ -69,10 +75,11 @@ def test_tp2_matches_tp1(name, tmp_path):
     with Engine(**kw, tp_size=2) as engine:
         model = engine.scheduler.runner.model
         assert model.num_heads == 3  # this rank's half of the 6 heads
-        experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
-        assert bool(experts) == ("moe" in name or name == "mixtral")
+        experts = [m for m in model.modules() if type(m).__name__ in ("Experts", "GptOssExperts")]
+        assert bool(experts) == ("moe" in name or name in ("mixtral", "gpt_oss"))
         for m in experts:  # half of each expert's intermediate features
-            assert m.w13.shape[1] == 2 * m.inter and m.inter in (16, 96)
+            inter = m.inter if hasattr(m, "inter") else m.down_proj.shape[1]
+            assert inter in (16, 96)
         got = _run(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

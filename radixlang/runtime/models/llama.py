@@ -347,8 +347,8 @@ class LlamaForCausalLM(nn.Module):
             total_kv = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
             first, end = kv_head_range(total_kv, rank, size)
             return tensor[first * self.head_dim:end * self.head_dim]
-        if kind in ("o_proj", "down_proj"):  # input columns of [out, in]
-            return shard_tensor(tensor, rank, size, dim=1)
+        if kind in ("o_proj", "down_proj"):  # input columns of [out, in]; a bias stays whole (added once)
+            return tensor if tensor.dim() == 1 else shard_tensor(tensor, rank, size, dim=1)
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
