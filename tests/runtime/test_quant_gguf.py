@@ -114,3 +114,35 @@ def test_engine_quantized_matches_the_dequantized_file(caplog):
         assert len(a) == len(b) == 32
         assert sum(x == y for x, y in zip(a, b)) >= 30, (a, b)
     assert sum(x == y for x, y in zip(one, gf[0])) >= 30
+
+
+def test_prefill_copies_only_within_their_memory_budget(caplog):
+    """A big model's float32 prefill copies (4 bytes a weight) would outweigh its quantized blocks many
+    times: past the budget none are made, and a prefill dequantizes per call to the same numbers."""
+    from torch import nn
+
+    from radixlang.kernels.cpu import quant as qk
+    from radixlang.runtime.models.gguf_quant import QuantLinear, add_prefill_copies_
+    from radixlang.runtime.models.packed import packing_available
+
+    g = torch.Generator().manual_seed(0)
+
+    def layer(n: int, k: int) -> QuantLinear:
+        codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        w = qk.QuantWeight("q4", codes, torch.rand(n, k // 32, generator=g) * 0.02,
+                           -torch.rand(n, k // 32, generator=g) * 0.1, 32, n, k)
+        return QuantLinear(w, None, "Q4_1")
+
+    model = nn.Sequential(layer(64, 96), layer(96, 64))
+    need = 4 * (64 * 96 + 96 * 64)
+    x = torch.randn(40, 96, generator=g)  # more than KERNEL_MAX_ROWS rows: the prefill path
+    with torch.inference_mode():
+        plain = model(x)
+    with caplog.at_level(logging.WARNING, logger="radixlang.runtime.models.gguf_quant"):
+        assert add_prefill_copies_(model, max_bytes=need - 1) == 0
+    assert all(m.dense is None for m in model) and "would take" in caplog.text
+    if packing_available():
+        assert add_prefill_copies_(model, max_bytes=need) == 2
+        assert all(m.dense is not None for m in model)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), plain, rtol=1e-4, atol=1e-4)

@@ -30,6 +30,10 @@ from radixlang.runtime.model_executor.tp_leader import TPLeader, exit_with_paren
 
 logger = logging.getLogger(__name__)
 
+# a quantized GGUF's float32 prefill copies (gguf_quant.add_prefill_copies_) may take at most this share of
+# the host memory available once the model is loaded; the rest is left to the KV pool and the process
+PREFILL_COPY_SHARE = 0.4
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -76,7 +80,8 @@ class ModelRunner:
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device,
                             gguf_path=gguf_source(args.model_path, args.load_format),
-                            prefill_copies=not args.disable_weight_packing)
+                            prefill_copies=not args.disable_weight_packing,
+                            prefill_copy_bytes=int(PREFILL_COPY_SHARE * _host_available_bytes()))
         if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)

@@ -75,14 +75,22 @@ class QuantLinear(nn.Module):
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
-def add_prefill_copies_(model: nn.Module) -> int:
+def add_prefill_copies_(model: nn.Module, *, max_bytes: int | None = None) -> int:
     """Give every QuantLinear a oneDNN-packed float32 copy of its dequantized weight for matmuls of more
     than KERNEL_MAX_ROWS rows (prefills), which then run as fast as the float32 model's instead of
     dequantizing per call. Decode steps never touch the copy, so they still stream only the quantized
-    bytes; the copies cost memory (4 bytes a weight). Returns how many were added (0 without packing)."""
+    bytes; the copies cost memory (4 bytes a weight). Where they would take more than ``max_bytes``
+    (a 7B model's are ~28 GB) none are made: prefills then dequantize each layer's weight per call.
+    Returns how many were added (0 without packing)."""
     from radixlang.runtime.models import packed
 
     if not packed.packing_available():
+        return 0
+    need = sum(4 * m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
+    if max_bytes is not None and need > max_bytes:
+        logger.warning("no float32 prefill copies of the quantized weights: they would take %.1f GiB, more than "
+                       "the %.1f GiB allowed; prefills dequantize each layer per call (slower)",
+                       need / 2**30, max_bytes / 2**30)
         return 0
     count, warmed = 0, set()
     for m in model.modules():

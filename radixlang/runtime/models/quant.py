@@ -80,10 +80,11 @@ def _tied(model: nn.Module, make) -> nn.Module:
 
 
 def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None,
-                    prefill_copies: bool = False) -> nn.Module:
+                    prefill_copies: bool = False, prefill_copy_bytes: int | None = None) -> nn.Module:
     """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
     quantized blocks of ``gguf_path``, the file the model was loaded from; ``prefill_copies``: plus a
-    packed float32 copy per layer for prefills (gguf_quant.add_prefill_copies_)."""
+    packed float32 copy per layer for prefills, unless they would exceed ``prefill_copy_bytes``
+    (gguf_quant.add_prefill_copies_)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if device != "cpu":
@@ -94,7 +95,7 @@ def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: st
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {gguf_path!r}")
         apply_gguf_quantization_(model, gguf_path)
         if prefill_copies:
-            add_prefill_copies_(model)
+            add_prefill_copies_(model, max_bytes=prefill_copy_bytes)
         return model
     make = Int8WeightOnlyLinear.from_linear if method == "int8" else int4_linear
     # int4 groups 32 input features; torch's int8 matmul crashed (segfault) at 2+ rows on widths that are
