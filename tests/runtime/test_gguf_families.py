@@ -67,7 +67,8 @@ def _gguf_tensors(checkpoint: dict[str, torch.Tensor], cfg, arch: str, f16: bool
     return [(n, a.astype(np.float16) if f16 and a.ndim >= 2 else a) for n, a in out]
 
 
-def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False) -> None:
+def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quant: dict | None = None) -> None:
+    """``quant``: {GGUF tensor kind (attn_q, ffn_down, ...): GGMLQuantizationType} for blocks' matrices."""
     import gguf
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(hf_folder)
@@ -122,7 +123,11 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False) -> N
     for gname, arr in _gguf_tensors(checkpoint, cfg, arch, f16):
         want = hf_tensor_name(gname, arch, n_experts or 0)
         assert want.format(e=0) in checkpoint, (gname, want)
-        w.add_tensor(gname, np.ascontiguousarray(arr))
+        qtype = (quant or {}).get(gname.split(".")[2]) if gname.startswith("blk.") and arr.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gname, np.ascontiguousarray(arr))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -251,3 +256,43 @@ def test_gguf_conversion_dequantizes_one_tensor_at_a_time(tmp_path, monkeypatch)
     assert len(made) > 20 and max(held) <= 1, held
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     assert torch.equal(model.layers[2].mlp.down_proj.weight, ref["model.layers.2.mlp.down_proj.weight"])
+
+
+@pytest.mark.e2e
+def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkeypatch):
+    """Q4_0 q/k with a Q8_0 v cannot share one fused kernel: that projection keeps its float32 weight,
+    loaded from the dequantized file; every other linear is served from its blocks and never loaded as
+    float32. Prompt log-probabilities match the same file run dequantized (--dtype float32)."""
+    import gguf
+
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=7)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "mixed.gguf")
+    t = gguf.GGMLQuantizationType
+    _write_gguf(folder, path, "llama", quant={"attn_q": t.Q4_0, "attn_k": t.Q4_0, "attn_v": t.Q8_0,
+                                              "attn_output": t.Q4_0, "ffn_gate": t.Q4_1, "ffn_up": t.Q4_1,
+                                              "ffn_down": t.Q8_0})
+    ids = PROMPTS[0]
+    kw = dict(model_path=path, max_total_tokens=512, disable_weight_packing=True)
+    with Engine(**kw) as quantized:
+        model = quantized.scheduler.runner.model
+        layer = model.layers[0]
+        assert type(layer.self_attn.qkv_proj) is torch.nn.Linear  # mixed: kept float32, and loaded
+        assert not layer.self_attn.qkv_proj.weight.is_meta and layer.self_attn.qkv_proj.weight.abs().sum() > 0
+        assert {type(m).__name__ for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)} \
+            == {"QuantLinear"}
+        assert layer.mlp.down_proj.source_type == "Q8_0" and layer.mlp.gate_up_proj.source_type == "Q4_1"
+        assert len(model.deferred_params) == 3 * 3  # o, gate/up, down of each of the 3 layers
+        assert not any(p.is_meta for p in model.parameters())
+        assert isinstance(model.layers[2].mlp.down_proj, QuantLinear)
+        got = quantized.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                 logprob_start_len=0)
+    with Engine(**kw, dtype="float32") as plain:
+        want = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+    a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
+    b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
+    assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3

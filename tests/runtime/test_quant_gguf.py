@@ -98,6 +98,9 @@ def test_engine_quantized_matches_the_dequantized_file(caplog):
             assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
             assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
             assert model.lm_head.source_type == "Q8_0"
+            # the 30 layers' q/k/v, o, gate/up and down were never loaded as float32: the blocks replaced them
+            assert len(model.deferred_params) == 120 and "layers.0.self_attn.qkv_proj.weight" in model.deferred_params
+            assert not any(p.is_meta for p in model.parameters())
             lq = [_logprobs(eq, p) for p in PROMPTS]
             one = eq.generate(PROMPTS[0], greedy)["output_ids"]  # a batch-1 decode: the kernel's one-row tile
             gq = [o["output_ids"] for o in eq.generate(PROMPTS, greedy)]  # 4 rows at once: its multi-row tile

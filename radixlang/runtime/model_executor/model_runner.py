@@ -24,6 +24,7 @@ from radixlang.runtime.models.layers.attention_config import check_backend_featu
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
+from radixlang.runtime.models.gguf_quant import gguf_replaced_params
 from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
 from radixlang.runtime.model_executor.tp_leader import TPLeader, exit_with_parent, ranks_per_node
@@ -74,12 +75,16 @@ class ModelRunner:
             raise
 
     def _build(self, args: ServerArgs) -> None:
+        gguf_path = gguf_source(args.model_path, args.load_format)
+        # a quantized GGUF's linears are replaced by its own blocks: their float32 weights are never loaded
+        deferred = ((lambda model: gguf_replaced_params(model, gguf_path))
+                    if args.quantization == "gguf" and gguf_path else None)
         loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
-                            seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp)
+                            seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp, deferred=deferred)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device,
-                            gguf_path=gguf_source(args.model_path, args.load_format),
+                            gguf_path=gguf_path,
                             prefill_copies=not args.disable_weight_packing,
                             prefill_copy_bytes=int(PREFILL_COPY_SHARE * _host_available_bytes()))
         if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:

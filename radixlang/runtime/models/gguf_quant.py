@@ -27,7 +27,7 @@ projection reads the quantized embedding table.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -203,22 +203,25 @@ def is_quantized_gguf(path: str) -> bool:
     return any(kind in NATIVE_TYPES for kind in gguf_file_types(path).values())
 
 
-def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]:
-    """Swap the model's linears for QuantLinears over the GGUF file's own blocks; returns type -> tensors swapped."""
-    import gguf
+_ROOMS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
+          "down": ("mlp", "down_proj")}
+_LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
+            "Q6_K": ("q8", 16)}  # what decode_tensor / to_quant_weight make of each type
 
-    from radixlang.runtime.models.gguf_convert import restore_layout
 
+class _Plan(NamedTuple):
+    """Which of the model's linears a GGUF file's blocks replace, read from the header alone."""
+    swaps: dict[tuple[int, str], dict[int, Any]]  # (layer, qkv/o/gate_up/down) -> {part: reader tensor}
+    logits: Any | None  # the reader tensor the logits projection is made of
+    kept: list[str]  # linears that keep their float32 weights, and why
+
+
+def _plan(model: nn.Module, reader: Any) -> _Plan:
     if getattr(model, "tp", None) is not None:
         raise ValueError("quantization 'gguf' is not supported with tensor parallelism")
-    reader = gguf.GGUFReader(gguf_path)
-    arch = reader.fields["general.architecture"].contents()
-    n_head = model.config.num_attention_heads
-    n_kv = getattr(model.config, "num_key_value_heads", None) or n_head
-    pieces: dict[tuple[int, str], dict[int, tuple[str, Any]]] = {}
-    swapped: dict[str, int] = {}
+    pieces: dict[tuple[int, str], dict[int, Any]] = {}
     kept: list[str] = []
-    logits: tuple[str, Any] | None = None
+    logits = None
     for t in reader.tensors:
         kind = t.tensor_type.name
         parts = t.name.split(".")
@@ -230,40 +233,78 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
             if t.name != "token_embd.weight" or getattr(model, "lm_head", None) is None:
                 kept.append(f"{t.name} ({kind})")
             continue
-        cols, rows = int(t.shape[0]), int(t.shape[1])
-        q, scale, offset, group = decode_tensor(kind, t.data, rows, cols)
-        # the converter's row order (gguf_convert: llama's q/k rows are permuted back); blocks run along rows
-        q, scale, offset = (restore_layout(arch, t.name, a, n_head, n_kv) for a in (q, scale, offset))
-        w = (kind, to_quant_weight(kind, q, scale, offset, group))
         if parts[0] == "blk":
             target, index = _LINEARS[parts[2]]
-            pieces.setdefault((int(parts[1]), target), {})[index] = w
+            pieces.setdefault((int(parts[1]), target), {})[index] = t
         elif t.name == "output.weight" or getattr(model, "lm_head", "absent") is None:
             if t.name == "output.weight" or logits is None:
-                logits = w
+                logits = t
+    swaps = {}
     for (layer_id, target), got in pieces.items():
-        layer = model.layers[layer_id]
-        room, attr = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
-                      "gate_up": ("mlp", "gate_up_proj"), "down": ("mlp", "down_proj")}[target]
-        owner = getattr(layer, room, None)
+        room, attr = _ROOMS[target]
+        old = getattr(getattr(model.layers[layer_id], room, None), attr, None)
         want = {"qkv": 3, "gate_up": 2}.get(target, 1)
-        kinds = {k for k, _ in got.values()}
-        layouts = {(w.layout, w.group) for _, w in got.values()}
-        old = getattr(owner, attr, None)
-        if not isinstance(old, nn.Linear) or old.weight.shape != (sum(w.out_features for _, w in got.values()),
-                                                                 next(iter(got.values()))[1].in_features):
+        kinds = {t.tensor_type.name for t in got.values()}
+        shape = (sum(int(t.shape[1]) for t in got.values()), int(next(iter(got.values())).shape[0]))  # [out, in]
+        if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != shape:
             kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
-            continue
-        if len(got) != want or len(layouts) != 1:  # a fused projection needs all its parts in one layout
+        elif len(got) != want or len({_LAYOUTS[k] for k in kinds}) != 1:  # a fused projection: one layout
             kept.append(f"blk.{layer_id}.{target} (mixed {'/'.join(sorted(kinds))})")
-            continue
-        weight = qk.QuantWeight.concat([got[i][1] for i in range(want)])
-        setattr(owner, attr, QuantLinear(weight, getattr(old, "bias", None), "/".join(sorted(kinds))))
-        for k, _ in got.values():
-            swapped[k] = swapped.get(k, 0) + 1
-    if logits is not None:
-        model.lm_head = QuantLinear(logits[1], None, logits[0])
-        swapped[logits[0]] = swapped.get(logits[0], 0) + 1
+        else:
+            swaps[(layer_id, target)] = got
+    return _Plan(swaps, logits, kept)
+
+
+def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
+    """The names of the parameters ``apply_gguf_quantization_`` will replace (from the file's header), so
+    that loading can leave them unfilled: the float32 copies of those weights are never made."""
+    import gguf
+
+    plan = _plan(model, gguf.GGUFReader(gguf_path))
+    names = {f"layers.{layer_id}.{'.'.join(_ROOMS[target])}.weight" for layer_id, target in plan.swaps}
+    if plan.logits is not None and getattr(model, "lm_head", None) is not None:
+        names.add("lm_head.weight")
+    return names
+
+
+def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]:
+    """Swap the model's linears for QuantLinears over the GGUF file's own blocks; returns type -> tensors
+    swapped. Refuses a model left with a parameter that loading skipped and no swap replaced."""
+    import gguf
+
+    from radixlang.runtime.models.gguf_convert import restore_layout
+
+    reader = gguf.GGUFReader(gguf_path)
+    plan = _plan(model, reader)
+    arch = reader.fields["general.architecture"].contents()
+    n_head = model.config.num_attention_heads
+    n_kv = getattr(model.config, "num_key_value_heads", None) or n_head
+
+    def quant_weight(t: Any) -> qk.QuantWeight:
+        kind = t.tensor_type.name
+        q, scale, offset, group = decode_tensor(kind, t.data, int(t.shape[1]), int(t.shape[0]))
+        # the converter's row order (gguf_convert: llama's q/k rows are permuted back); blocks run along rows
+        q, scale, offset = (restore_layout(arch, t.name, a, n_head, n_kv) for a in (q, scale, offset))
+        return to_quant_weight(kind, q, scale, offset, group)
+
+    swapped: dict[str, int] = {}
+    for (layer_id, target), got in plan.swaps.items():
+        room, attr = _ROOMS[target]
+        owner = getattr(model.layers[layer_id], room)
+        old = getattr(owner, attr)
+        kinds = sorted({t.tensor_type.name for t in got.values()})
+        weight = qk.QuantWeight.concat([quant_weight(got[i]) for i in range(len(got))])
+        setattr(owner, attr, QuantLinear(weight, getattr(old, "bias", None), "/".join(kinds)))
+        for t in got.values():
+            swapped[t.tensor_type.name] = swapped.get(t.tensor_type.name, 0) + 1
+    if plan.logits is not None:
+        kind = plan.logits.tensor_type.name
+        model.lm_head = QuantLinear(quant_weight(plan.logits), None, kind)
+        swapped[kind] = swapped.get(kind, 0) + 1
+    unset = [name for name, p in model.named_parameters() if p.is_meta]
+    if unset:
+        raise RuntimeError(f"parameters left unloaded for the GGUF blocks and not replaced: {unset[:5]}")
+    kept = plan.kept
     if kept:
         logger.info("GGUF tensors kept dequantized to float32 (no native kernel for their type): %s",
                     ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else ""))

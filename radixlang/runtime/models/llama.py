@@ -179,6 +179,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
     embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+    # parameters load_weights leaves unfilled (moved to the meta device, no storage) because the caller
+    # replaces their modules next: a quantized GGUF's linears (gguf_quant.gguf_replaced_params)
+    deferred_params: frozenset[str] = frozenset()
 
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp: TPComm | None = None) -> None:
@@ -314,13 +317,15 @@ class LlamaForCausalLM(nn.Module):
                 if pname not in params:
                     raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
                 param = params[pname]
-                offset, size = self._shard_range(target, shard, param)
-                param.data[offset:offset + size].copy_(tensor)
+                if pname not in self.deferred_params:
+                    offset, size = self._shard_range(target, shard, param)
+                    param.data[offset:offset + size].copy_(tensor)
                 seen.add(f"{pname}:{shard}")
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            params[name].data.copy_(tensor)
+            if name not in self.deferred_params:
+                params[name].data.copy_(tensor)
             seen.add(name)
         loaded_parts: dict[str, int] = {}
         for key in seen:
@@ -330,6 +335,11 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in seen and loaded_parts.get(n, 0) < _parts_expected(n, params[n])]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for name in self.deferred_params:  # drop the storage those parameters were given
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner)
+            module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, device="meta"),
+                                                    requires_grad=False)
 
     def _shard_range(self, target: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if target == "qkv_proj":

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -112,14 +112,19 @@ def read_config(folder: str) -> Any:
 
 def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
                device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None,
-               tp: TPComm | None = None) -> LoadedModel:
-    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer."""
+               tp: TPComm | None = None, deferred: Callable[[nn.Module], set[str]] | None = None) -> LoadedModel:
+    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer.
+
+    ``deferred(model)`` names parameters to leave unloaded (on the meta device), because the caller
+    replaces their modules right after (a quantized GGUF's linears)."""
     from transformers import AutoTokenizer
 
     folder = resolve_model_dir(model_path, load_format)
     config = read_config(folder)
     cls = model_class(config)
     model = cls(config, dtype=dtype, device=device, tp=tp)
+    if deferred is not None:
+        model.deferred_params = frozenset(deferred(model))
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
     else:
