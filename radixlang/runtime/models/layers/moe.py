@@ -122,7 +122,7 @@ class Experts(nn.Module):
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
              expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Sort the (token, expert) pairs by expert, run ``expert(e, its tokens' rows)`` once per expert with
-    tokens, and sum the outputs back per token weighted by the routing weights.
+    tokens, and sum the outputs back per token weighted by the routing weights (in choice order).
 
     x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype."""
     n, k = ids.shape
@@ -137,8 +137,11 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_expe
         if count:
             out[start:start + count] = expert(e, xs[start:start + count])
             start += count
-    out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
-    return x.new_zeros(n, x.shape[1]).index_add_(0, tokens, out)
+    # back to (token, choice) order, then a weighted sum over each token's k choices: index_add_ into the
+    # tokens took ~0.5 ms a call at one token in the engine (11 us alone), this takes a few us
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return (unsorted.view(n, k, x.shape[1]) * weights.to(out.dtype)[..., None]).sum(1)
 
 
 class SparseMoE(nn.Module):
