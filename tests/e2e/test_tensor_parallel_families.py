@@ -1,10 +1,10 @@
 """tp=2 (two processes over gloo) against tp=1 on families beyond Llama, from checkpoints saved by
 transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
 Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms,
-local rope base on sliding layers), Qwen2 with a sliding window, Phi3 (fused checkpoint tensors), and
-the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and GPT-OSS (sinks). Same greedy tokens,
-logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1 itself is checked against
-transformers in tests/runtime/test_model_families.py."""
+local rope base on sliding layers), Mistral and Qwen2 with sliding windows, Phi3 (fused checkpoint
+tensors), and the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and GPT-OSS
+(sinks). Same greedy tokens, logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1
+itself is checked against transformers in tests/runtime/test_model_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +18,7 @@ WINDOW = 5
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 FAMILIES = {
     "qwen3": ("Qwen3ForCausalLM", {}),
+    "mistral_sliding": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
     "qwen2_sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24, layer_types=LAYERS)),
