@@ -10,42 +10,14 @@ from __future__ import annotations
 import pytest
 
 from radixlang import Engine
-from tiny_model import save_tiny_hf_model
+from tiny_model import FAMILIES, save_tiny_hf_model
 
 pytestmark = pytest.mark.e2e
 
-WINDOW = 5
-LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-FAMILIES = {
-    "qwen3": ("Qwen3ForCausalLM", {}),
-    "mistral_sliding": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
-    "qwen2_sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
-    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
-                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24, layer_types=LAYERS)),
-    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=LAYERS)),
-    # the checkpoint's fused qkv and gate_up cut per part before the rank slice; longrope, partial rotary
-    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64,
-                                     original_max_position_embeddings=32,
-                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                                      "partial_rotary_factor": 0.75,
-                                                      "original_max_position_embeddings": 32,
-                                                      "short_factor": [1.0 + 0.3 * i for i in range(6)],
-                                                      "long_factor": [2.0 + i for i in range(6)]})),
-    # MoE: each rank holds every expert over half its intermediate features; a dense layer and a shared
-    # expert (Qwen2-MoE) split like a dense MLP
-    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                                              mlp_only_layers=[1], norm_topk_prob=False)),
-    # sinks per head, biased attention, interleaved gate/up experts with biases, yarn
-    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW,
-                                          layer_types=LAYERS,
-                                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                                           "original_max_position_embeddings": 512,
-                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-                                              norm_topk_prob=True, decoder_sparse_step=1)),
-}
+# every family of tiny_model.FAMILIES but Llama (tests/e2e/test_tensor_parallel.py) and Qwen3's sliding
+# variant (Qwen2's covers the window)
+TP_FAMILIES = ("qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+               "qwen3_moe", "gpt_oss")
 SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -66,7 +38,7 @@ def _logprobs(out: dict) -> list[float]:
     return vals + [lp for row in meta["output_top_logprobs"] for lp, _, _ in row]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", TP_FAMILIES)
 def test_tp2_matches_tp1(name, tmp_path):
     arch, overrides = FAMILIES[name]
     folder = save_tiny_hf_model(str(tmp_path / name), arch, seed=5, **overrides)

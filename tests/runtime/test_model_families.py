@@ -10,45 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from radixlang.runtime.models.loader import load_model
 from test_models import _run_ours
-from tiny_model import save_tiny_hf_model
+from tiny_model import FAMILIES, save_tiny_hf_model
 
-WINDOW = 5  # shorter than every prompt below
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", {}),
-    # the regression of issue 22: Qwen2 with sliding layers matched transformers on the first five
-    # positions only (the window was ignored)
-    "qwen2_sliding": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
-    "qwen2": ("Qwen2ForCausalLM", {}),
-    "mistral_sliding": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
-    "qwen3": ("Qwen3ForCausalLM", {}),
-    "qwen3_sliding": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
-    # softcaps small enough to bite on random weights; layers alternate sliding / full
-    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=0.5,
-                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24,
-                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
-                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    # fused qkv / gate_up in the checkpoint, longrope with partial rotary, a window
-    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, max_position_embeddings=64,
-                                     original_max_position_embeddings=32,
-                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                                      "partial_rotary_factor": 0.75,
-                                                      "original_max_position_embeddings": 32,
-                                                      "short_factor": [1.0 + 0.3 * i for i in range(6)],
-                                                      "long_factor": [2.0 + i for i in range(6)]})),
-    # MoE: more experts than top-k; routers drawn large enough that tokens spread unevenly
-    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                                              mlp_only_layers=[1], norm_topk_prob=False)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-                                              norm_topk_prob=True, decoder_sparse_step=1)),
-    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW,
-                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                                                           "original_max_position_embeddings": 512,
-                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
-}
 PROMPTS = ([1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88],
            list(range(300, 321)),
            [9, 8, 7, 6, 5, 4, 3, 2, 1000, 2000, 3000])

@@ -38,7 +38,9 @@ from radixlang.kernels.cpu import quant as qk
 
 logger = logging.getLogger(__name__)
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
+            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
+NATIVE_TYPES = tuple(_LAYOUTS)
 # up to this many rows the kernel (which decodes each weight group once per 4 rows) is used; past it the
 # weight is dequantized once for the call and the rows run through a float32 GEMM
 KERNEL_MAX_ROWS = 16
@@ -174,7 +176,7 @@ def decode_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np
 
 def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int) -> qk.QuantWeight:
     rows, cols = q.shape
-    if kind in ("Q4_0", "Q4_1", "Q4_K"):  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
+    if _LAYOUTS[kind][0] == "q4":  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
         g = q.astype(np.uint8).reshape(rows, cols // 32, 32)
         codes = torch.from_numpy(np.ascontiguousarray((g[..., :16] | (g[..., 16:] << 4)).reshape(rows, cols // 2)))
         layout = "q4"
@@ -205,8 +207,6 @@ def is_quantized_gguf(path: str) -> bool:
 
 _ROOMS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
           "down": ("mlp", "down_proj")}
-_LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
-            "Q6_K": ("q8", 16)}  # what decode_tensor / to_quant_weight make of each type
 
 
 class _Plan(NamedTuple):

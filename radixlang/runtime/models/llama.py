@@ -364,6 +364,22 @@ class LlamaForCausalLM(nn.Module):
         return tensor  # norms are replicated
 
 
+def unfused_pieces(name: str, tensor: torch.Tensor, q_size: int,
+                   kv_size: int) -> list[tuple[str, torch.Tensor]] | None:
+    """A fused ``...qkv_proj.<leaf>`` or ``...gate_up_proj.<leaf>`` tensor cut into the checkpoint pieces
+    the loader takes (q/k/v_proj of q_size, kv_size, kv_size rows; gate/up_proj halves); None for any other
+    tensor."""
+    prefix, _, leaf = name.rpartition(".")
+    owner, _, kind = prefix.rpartition(".")
+    if kind == "qkv_proj":
+        parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_size, kv_size, kv_size]))
+    elif kind == "gate_up_proj":
+        parts = zip(("gate_proj", "up_proj"), tensor.split(tensor.shape[0] // 2))
+    else:
+        return None
+    return [(f"{owner}.{n}.{leaf}", x) for n, x in parts]
+
+
 def materialize_(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> None:
     """Give every parameter still on the meta device uninitialised storage of its final dtype (``dtype``
     for floating-point ones) on ``device``, and move the other parameters and buffers there. The storage

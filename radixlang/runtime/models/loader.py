@@ -18,6 +18,7 @@ from torch import nn
 
 from radixlang.runtime.models.gguf_convert import ensure_converted
 from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
+from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
 
@@ -180,15 +181,10 @@ def random_weights(config: Any, seed: int):
             yield name, torch.zeros(p.shape)
             continue
         t = torch.randn(p.shape, generator=gen) * 0.02
-        prefix, _, leaf = name.rpartition(".")
-        owner, _, kind = prefix.rpartition(".")
-        if kind == "qkv_proj":
-            attn = model.get_submodule(owner)
-            pieces = t.split([attn.q_size, attn.kv_size, attn.kv_size])
-            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("q_proj", "k_proj", "v_proj"), pieces))
-        elif kind == "gate_up_proj":
-            gate_up = t.split(t.shape[0] // 2)
-            yield from ((f"{owner}.{n}.{leaf}", x) for n, x in zip(("gate_proj", "up_proj"), gate_up))
+        prefix = name.rpartition(".")[0]
+        if prefix.endswith((".qkv_proj", ".gate_up_proj")):  # the fused tensors' checkpoint pieces
+            owner = model.get_submodule(prefix.rpartition(".")[0])  # the attention (q/kv sizes) or the MLP
+            yield from unfused_pieces(name, t, getattr(owner, "q_size", 0), getattr(owner, "kv_size", 0)) or []
         elif prefix.endswith(".experts"):
             yield from expert_checkpoint_tensors(name, t, ("gate_proj", "up_proj", "down_proj"))
         else:

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from radixlang.runtime.models.llama import LlamaForCausalLM
+from radixlang.runtime.models.llama import LlamaForCausalLM, unfused_pieces
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -18,16 +18,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         heads = self.config.num_attention_heads
         kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
-        q, kv = heads * self.head_dim, kv_heads * self.head_dim
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim  # the full model's, before the rank slice
         for name, tensor in weights:
-            if name.endswith("self_attn.qkv_proj.weight"):
-                stem = name.removesuffix("qkv_proj.weight")
-                yield stem + "q_proj.weight", tensor[:q]
-                yield stem + "k_proj.weight", tensor[q:q + kv]
-                yield stem + "v_proj.weight", tensor[q + kv:]
-            elif name.endswith("mlp.gate_up_proj.weight"):
-                stem, inter = name.removesuffix("gate_up_proj.weight"), tensor.shape[0] // 2
-                yield stem + "gate_proj.weight", tensor[:inter]
-                yield stem + "up_proj.weight", tensor[inter:]
-            else:
-                yield name, tensor
+            yield from unfused_pieces(name, tensor, q, kv) or [(name, tensor)]

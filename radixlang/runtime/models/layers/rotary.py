@@ -27,9 +27,13 @@ def _rope_kind(params: dict) -> str:
     return params.get("rope_type", params.get("type", "default")) or "default"
 
 
+def _max_positions(config: Any) -> int:
+    return int(getattr(config, "max_position_embeddings", 8192) or 8192)
+
+
 def rope_context_length(config: Any) -> int:
     """The positions the rotary tables cover: max_position_embeddings, times the factor for dynamic NTK."""
-    max_pos = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+    max_pos = _max_positions(config)
     params = rope_parameters(config)
     if _rope_kind(params) == "dynamic":
         return int(max_pos * float(params["factor"]))
@@ -120,10 +124,11 @@ def _longrope(params: dict, inv_freq: torch.Tensor, config: Any, *, long: bool) 
 
 
 def _table(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = torch.outer(positions.to(torch.float64), inv_freq)
+    """inv_freq [rotary_dim / 2], or one row of it per position [len(positions), rotary_dim / 2]."""
+    freqs = positions.to(torch.float64)[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin() * attn_factor
-    sin[:, :inv_freq.shape[0]] *= -1  # signed for apply_rope's roll
+    sin[:, :inv_freq.shape[-1]] *= -1  # signed for apply_rope's roll
     return emb.cos() * attn_factor, sin
 
 
@@ -136,15 +141,13 @@ def rope_tables(config: Any, rotary_dim: int, max_pos: int,
     params = rope_parameters(config, layer_type)
     kind = _rope_kind(params)
     if kind == "dynamic":
-        ctx = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+        ctx = _max_positions(config)
         if max_pos > ctx:
             factor, theta = float(params["factor"]), float(params["rope_theta"])
-            p = positions[ctx:].to(torch.float64)[:, None]
-            base = theta * (factor * (p + 1) / ctx - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))  # [n, 1]
-            freqs = p * base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos[ctx:], sin[ctx:] = emb.cos() * attn_factor, emb.sin() * attn_factor
-            sin[ctx:, :rotary_dim // 2] *= -1  # signed, as _table
+            length = positions[ctx:].to(torch.float64)[:, None] + 1  # the sequence length at each position
+            base = theta * (factor * length / ctx - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))  # [n, 1]
+            per_position = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+            cos[ctx:], sin[ctx:] = _table(per_position, attn_factor, positions[ctx:])
     if kind == "longrope":
         old_ctx = int(params.get("original_max_position_embeddings")
                       or getattr(config, "original_max_position_embeddings"))
