@@ -58,6 +58,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         ext = torch.tensor(extend, dtype=torch.int64)
         self._ext = (torch.cumsum(ext, 0) - ext, torch.tensor(prefix, dtype=torch.int64), ext)
 
+    def decode_metadata(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This decode step's (req_pool_indices, seq_lens), int64, as ``init_forward_metadata`` checked them."""
+        if self._req_idx is None or self._seq_lens is None:
+            raise RuntimeError("decode_metadata before init_forward_metadata")
+        return self._req_idx, self._seq_lens
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> None:
         if (k.dtype == v.dtype == k_buf.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1

@@ -1,4 +1,4 @@
-"""Compile csrc/cpu_ops.c (and quant_ops.c, quant_vnni.c) with the machine's C compiler once, and cache the library.
+"""Compile csrc/cpu_ops.c (and the other csrc/ sources) with the machine's C compiler once, and cache the library.
 
 The library is built for the CPU it runs on (``-march=native``), so the cache key covers the source,
 the compiler and its version, the flags and the CPU's feature flags. It lives under the user cache
@@ -19,6 +19,7 @@ from pathlib import Path
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_ops.c"
 QUANT_VNNI_SOURCE = Path(__file__).parent / "csrc" / "quant_vnni.c"
+DECODE_STACK_SOURCE = Path(__file__).parent / "csrc" / "decode_stack.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -48,16 +49,17 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path(source: Path | None = None) -> Path:
-    """The built library of ``source`` (default cpu_ops.c), compiling it first when this source, compiler
-    and CPU have none cached."""
+def library_path(source: Path | None = None, extra: tuple[Path, ...] = ()) -> Path:
+    """The built library of ``source`` (default cpu_ops.c) linked with the ``extra`` sources (each its own
+    translation unit), compiling it first when these sources, compiler and CPU have none cached."""
     source = SOURCE if source is None else source
     cc = find_compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    texts = [source.read_text(), *(p.read_text() for p in extra)]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
@@ -65,8 +67,8 @@ def library_path(source: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run([cc, *FLAGS, str(source), *map(str, extra), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if proc.returncode != 0:
             raise BuildError(f"compiling {source.name} failed ({cc}):\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -78,12 +80,13 @@ def library_path(source: Path | None = None) -> Path:
     return out
 
 
-def load_library(signatures: dict[str, tuple], source: Path | None = None) -> ctypes.CDLL:
-    """Build (if needed) and load ``source``, setting each named function's restype and argtypes.
+def load_library(signatures: dict[str, tuple], source: Path | None = None,
+                 extra: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Build (if needed) and load ``source`` (with ``extra``), setting each named function's restype and argtypes.
 
     Raises BuildError, OSError or AttributeError (a symbol missing); callers cache the outcome.
     """
-    lib = ctypes.CDLL(str(library_path(source)))
+    lib = ctypes.CDLL(str(library_path(source, extra)))
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes

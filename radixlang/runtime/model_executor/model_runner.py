@@ -24,6 +24,7 @@ from radixlang.runtime.models.layers.attention_config import check_backend_featu
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
+from radixlang.runtime.models.decode_stack import DecodeStack
 from radixlang.runtime.models.gguf_quant import gguf_replaced_params
 from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
@@ -92,6 +93,8 @@ class ModelRunner:
             logger.info("packed %d linear layers into oneDNN's layout", packed)
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
+            if args.quantization and hasattr(self.model, "decode_stack"):
+                self.model.decode_stack = DecodeStack.build(self.model)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = rope_context_length(self.hf_config)

@@ -215,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_buffer("signed_sin_cache" + suffix, signed_sin.to(dtype), persistent=False)
         self.num_rope_tables = len(tables)
         self.cpu_kernels = False  # see use_cpu_kernels
+        self.decode_stack: Any = None  # models/decode_stack.DecodeStack, set by the runner where it applies
         materialize_(self, dtype, device)
 
     @torch.inference_mode()
@@ -226,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
         The last layer then runs its output projection and MLP on those rows alone: a prefill needs the
         logits of its last token, while every token's k and v (written before attention) are still
         cached. On SmolLM2 (30 layers) that skips ~3% of a prefill's matmul work."""
+        if self.decode_stack is not None and keep_rows is None:
+            hidden = self.decode_stack.forward(input_ids, positions, forward_batch)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale

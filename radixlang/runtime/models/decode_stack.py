@@ -1,0 +1,162 @@
+"""A decode step of a quantized Llama-family model in one compiled call (kernels/cpu/decode_stack.py).
+
+A batch-1 decode step of the embedded SmolLM2 GGUF spent ~10 ms per token, of which the q4/q8 matmuls
+took ~6: the rest was the ~10 small ops per layer crossing from Python into their kernels (views,
+checks, allocations, ctypes) and the attention backend's bookkeeping, 30 times. ``DecodeStack`` runs
+the same kernels from C instead, every layer in one call: the embeddings and the final norm stay in
+Python, and so does every step it does not take (prefill, more than ``KERNEL_MAX_ROWS`` rows, a
+backend other than the CPU kernels'), which the layers run as before.
+
+It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms and q/k/v
+biases) on QuantLinear weights, with the compiled norms and rotary, and no sliding window,
+soft-capping or sinks: Llama, SmolLM, Mistral without a window, Qwen2, Qwen3 served from a quantized
+GGUF or with ``--quantization int4``. ``build`` says why not otherwise (logged once at load).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
+from radixlang.kernels.cpu import decode_stack as ds
+from radixlang.kernels.cpu import quant as qk
+from radixlang.runtime.models.gguf_quant import KERNEL_MAX_ROWS, QuantLinear
+from radixlang.runtime.models.layers.norm import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+
+def why_not(model: Any) -> str | None:
+    """None where the fused step can serve ``model``, else the first reason it cannot."""
+    from radixlang.runtime.models.llama import MLP, Attention, DecoderLayer
+
+    if not ds.available():
+        return "its library did not build here"
+    if getattr(model, "tp", None) is not None:
+        return "tensor parallelism"
+    if not getattr(model, "cpu_kernels", False) or getattr(model, "num_rope_tables", 1) != 1:
+        return "the compiled norms and rotary are off, or layers use several rotary tables"
+    shapes, scales, qk_norms = set(), set(), set()
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer).forward is not DecoderLayer.forward
+                or type(layer)._after_attention is not DecoderLayer._after_attention
+                or type(attn).attend is not Attention.attend or type(mlp).forward is not MLP.forward):
+            return f"layer {i} is not the plain Llama layer ({type(layer).__name__})"
+        if attn.sliding_window or attn.logit_softcap or attn.sinks is not None:
+            return f"layer {i} has a sliding window, soft-capping or sinks"
+        if not mlp.fused:
+            return f"layer {i}'s MLP activation is {mlp.act_name}, not silu"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(type(n) is not RMSNorm or not n.fused for n in norms):
+            return f"layer {i}'s norms are not the compiled RMSNorm"
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(lin, QuantLinear) for lin in linears):
+            return f"layer {i} has linears that are not quantized ({', '.join(type(x).__name__ for x in linears)})"
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
+        scales.add(attn.scaling)
+        qk_norms.add(attn.qk_norm)
+    if not shapes:
+        return "the model has no layers"
+    if len(shapes) != 1 or len(scales) != 1 or len(qk_norms) != 1:
+        return "the layers differ in heads, head size, scaling or q/k norms"
+    heads, kv_heads, _ = next(iter(shapes))
+    if heads % kv_heads:
+        return "query heads are not a multiple of kv heads"
+    return None
+
+
+class DecodeStack:
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        attn = model.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = model.config.hidden_size
+        self.scale = attn.scaling
+        self.qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
+        self.eps = model.layers[0].input_layernorm.eps
+        self._pool_key: tuple[int, ...] | None = None
+        self._layers: Any = None
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    @classmethod
+    def build(cls, model: Any) -> DecodeStack | None:
+        reason = why_not(model)
+        if reason is not None:
+            logger.info("decode steps run layer by layer (the fused decode step does not apply: %s)", reason)
+            return None
+        logger.info("decode steps of up to %d rows run as one compiled call over the quantized layers",
+                    KERNEL_MAX_ROWS)
+        return cls(model)
+
+    def _layer_array(self, pool: Any) -> Any:
+        """The C layer structs for this KV pool (rebuilt if the pool's buffers change)."""
+        bufs = [(pool.get_key_buffer(i), pool.get_value_buffer(i)) for i in range(len(self.model.layers))]
+        key = tuple(t.data_ptr() for pair in bufs for t in pair)
+        if key == self._pool_key:
+            return self._layers
+        want = (self.kv_heads, self.head_dim)
+        for k, v in bufs:
+            for t in (k, v):
+                if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[1:]) != want or not t.is_contiguous():
+                    raise ValueError(f"the fused decode step needs a contiguous float32 KV pool [slots, {want[0]}, "
+                                     f"{want[1]}] per layer, got {t.dtype} {tuple(t.shape)}")
+        arr = (ds.Layer * len(bufs))()
+        for i, (layer, (k, v)) in enumerate(zip(self.model.layers, bufs)):
+            attn, mlp = layer.self_attn, layer.mlp
+            arr[i] = ds.Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                              attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
+                              attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
+                              *(ds.QWeight.of(lin.weight_q, lin.bias)
+                                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                              k.data_ptr(), v.data_ptr())
+        self._pool_key, self._layers, self._slots = key, arr, bufs[0][0].shape[0]
+        return arr
+
+    def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
+        if m not in self._scratch:
+            first = self.model.layers[0]
+            qkv, inter = first.self_attn.qkv_proj.out_features, first.mlp.gate_up_proj.out_features // 2
+            self._scratch[m] = (torch.empty(m, qkv), torch.empty(m, self.heads * self.head_dim),
+                                torch.empty(m, self.hidden), torch.empty(m, 2 * inter), torch.empty(m, inter))
+        return self._scratch[m]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor | None:
+        """The hidden states after the final norm, [m, hidden]; None where this step is not one it takes."""
+        m = input_ids.numel()
+        backend = forward_batch.attn_backend
+        if (not forward_batch.forward_mode.is_decode() or not 0 < m <= KERNEL_MAX_ROWS
+                or type(backend) is not CpuAttnBackend):
+            return None
+        req_idx, seq_lens = backend.decode_metadata()
+        layers = self._layer_array(forward_batch.token_to_kv_pool)
+        model = self.model
+        cos, ssin = model.cos_cache, model.signed_sin_cache
+        r2t, loc = forward_batch.req_to_token, forward_batch.out_cache_loc
+        if (positions.dtype != torch.int64 or positions.shape != (m,) or loc.dtype != torch.int64
+                or loc.shape != (m,) or req_idx.shape != (m,) or seq_lens.shape != (m,)
+                or r2t.dtype != torch.int32 or r2t.stride(1) != 1):
+            raise ValueError("decode metadata: positions, out_cache_loc, req_pool_indices and seq_lens must be "
+                             "int64 [batch] and req_to_token int32 rows")
+        if int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]:
+            raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
+        positions, loc = positions.contiguous(), loc.contiguous()
+        x = model.embed_tokens(input_ids)
+        if model.embed_scale is not None:
+            x = x * model.embed_scale
+        x = x.float().contiguous()
+        residual = torch.empty_like(x)
+        qkv, attn, h, gu, act = self._buffers(m)
+        step = ds.Step(m, self.hidden, self.heads, self.kv_heads, self.head_dim, qk.INT8_MAX_ROWS,
+                       qk.ACTIVATIONS[qk.DEFAULT_ACTIVATIONS], torch.get_num_threads(), 0, r2t.stride(0),
+                       self.eps, self.qk_eps, self.scale,
+                       positions.data_ptr(), loc.data_ptr(), req_idx.data_ptr(), seq_lens.data_ptr(), r2t.data_ptr(),
+                       cos.data_ptr(), ssin.data_ptr(), x.data_ptr(), residual.data_ptr(), qkv.data_ptr(),
+                       attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr())
+        ds.run(layers, step)
+        return model.norm.add_norm(x, residual)[0]

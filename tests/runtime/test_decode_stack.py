@@ -1,0 +1,76 @@
+"""The fused decode step (models/decode_stack.py) gives the layer-by-layer path's tokens and logprobs.
+
+Each family runs the same requests twice in one Engine, with the fused step and with it switched off:
+batch 1 and 2 (int8 activations), batch 5 (float32 activations), and again over a cached prefix.
+"""
+from __future__ import annotations
+
+import pytest
+from tiny_model import FAMILIES, save_tiny_hf_model
+
+from radixlang.kernels.cpu import decode_stack as ds
+from radixlang.runtime.models.decode_stack import why_not
+
+pytestmark = pytest.mark.skipif(not ds.available(), reason="the fused decode step's library did not build here")
+
+PROMPTS = [[5 + 7 * i + j for j in range(20 + 9 * i)] for i in range(5)]
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def _run(engine, prompts):
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    return [([t for _, t, _ in o["meta_info"]["output_token_logprobs"]],
+             [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_dir(request, tmp_path_factory):
+    arch, overrides = FAMILIES[request.param]
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp(request.param)), arch, seed=5, **overrides)
+
+
+@pytest.mark.e2e
+def test_fused_decode_matches_layer_by_layer(family_dir):
+    from radixlang import Engine
+    with Engine(model_path=family_dir, quantization="int4", max_total_tokens=4096) as engine:
+        model = engine.scheduler.runner.model
+        stack = model.decode_stack
+        assert stack is not None, why_not(model)
+        calls = []
+        forward = stack.forward
+        stack.forward = lambda *a: calls.append(1) or forward(*a)
+        batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS]
+        fused = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]  # the last over cached prefixes
+        assert len(calls) >= 4 * (GREEDY["max_new_tokens"] - 1)  # every decode step took the fused call
+        model.decode_stack = None
+        engine.flush_cache()
+        plain = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]
+        engine.check_memory_leak()
+    for fb, pb in zip(fused, plain):
+        for (ft, fl), (pt, pl) in zip(fb, pb):
+            assert ft == pt
+            assert max(abs(a - b) for a, b in zip(fl, pl)) < 1e-4
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family, reason", [("mistral_sliding", "sliding window"),
+                                            ("gemma2", "not the plain Llama layer")])
+def test_fused_decode_refuses_what_it_cannot_run(family, reason, tmp_path):
+    from radixlang import Engine
+    arch, overrides = FAMILIES[family]
+    folder = save_tiny_hf_model(str(tmp_path), arch, seed=5, **overrides)
+    with Engine(model_path=folder, quantization="int4", max_total_tokens=1024) as engine:
+        model = engine.scheduler.runner.model
+        assert model.decode_stack is None
+        assert reason in why_not(model)
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+
+
+@pytest.mark.e2e
+def test_fused_decode_needs_quantized_linears(tiny_model_dir):
+    from radixlang import Engine
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024) as engine:
+        model = engine.scheduler.runner.model
+        assert model.decode_stack is None
+        assert "not quantized" in why_not(model)
