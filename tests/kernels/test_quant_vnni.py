@@ -105,3 +105,44 @@ def test_zero_rows_and_zero_groups():
     x[1, 32:64] = torch.randn(32)  # row 0 all zero; row 1 has zero groups around a live one
     want = x.double() @ ref.double().t()
     torch.testing.assert_close(qk.linear(x, w, activations="int8x3").double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(qk.vnni() != "avx512-vnni", reason="the 16-feature interleaved kernel is AVX512-VNNI only")
+@pytest.mark.parametrize("offsets", [True, False])
+def test_interleaved_q4_kernel_matches_the_plain_one_and_the_bound(offsets):
+    from dataclasses import replace
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(16, 32), (48, 96), (960, 576), (576, 1536)]:
+        w, ref = _q4(n, k, seed=n + k)
+        if not offsets:
+            w, ref = _no_offsets((w, ref))
+        assert w.interleaved is not None
+        plain = replace(w)  # a copy whose interleaved layout is marked absent: the per-feature kernel runs
+        plain.__dict__["interleaved"] = None
+        for m in (1, 2, 3, 5):
+            x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
+            x[:, int(torch.randint(0, k, (1,), generator=g))] *= 40
+            bias = torch.randn(n, generator=g)
+            for activations, passes in PASSES.items():
+                got = qk.linear(x, w, bias, activations=activations).double()
+                want = x.double() @ ref.double().t() + bias.double()
+                scale = x.double().abs() @ ref.double().abs().t()
+                assert ((got - want).abs() <= _bound(x, ref, passes) + 1e-5 * scale + 1e-5).all(), (n, k, m)
+                other = qk.linear(x, plain, bias, activations=activations).double()
+                torch.testing.assert_close(got, other, rtol=1e-5, atol=1e-5 * scale.max().item())
+
+
+def test_interleaved_layout():
+    if qk.vnni() != "avx512-vnni":
+        pytest.skip("the interleaved layout is made for the AVX512-VNNI kernel only")
+    w, ref = _q4(32, 64, seed=1)
+    il = w.interleaved
+    q = torch.round((ref - w.offsets.repeat_interleave(32, 1)) / w.scales.repeat_interleave(32, 1)).to(torch.uint8)
+    codes = il.codes.view(2, 2, 4, 16, 4)  # [block, group, part, feature, j]
+    for b, gr, part, r, j in [(0, 0, 0, 0, 0), (1, 1, 3, 15, 3), (0, 1, 2, 7, 1), (1, 0, 1, 3, 2)]:
+        byte = int(codes[b, gr, part, r, j])
+        feature, first = 16 * b + r, 32 * gr + 8 * part + j
+        assert byte & 15 == q[feature, first] and byte >> 4 == q[feature, first + 4]
+    assert torch.equal(il.scales.view(2, 2, 16)[1, 0], w.scales[16:32, 0])
+    assert torch.equal(il.offsets.view(2, 2, 16)[0, 1], w.offsets[:16, 1])
+    assert _q4(24, 64)[0].interleaved is None  # not a multiple of 16 features

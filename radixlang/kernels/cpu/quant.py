@@ -37,6 +37,7 @@ _VNNI_SIGNATURES = {
     "rl_vnni_level": (_INT, []),
     "rl_q4_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
     "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+    "rl_q4x16_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
 }
 VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
 # how ``linear`` takes the activations: float32 (each weight decoded to float32), or quantized per group of
@@ -92,6 +93,14 @@ def _load() -> ctypes.CDLL:
 
 
 @dataclass(frozen=True)
+class Interleaved:
+    """A q4 weight's codes [N / 16, groups, 4, 16, 4] (flat) and scales / offsets [N / 16, groups, 16]."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
 class QuantWeight:
     """One [out_features, in_features] weight: codes, and float32 scales / offsets [out, in / group]."""
     layout: str
@@ -121,6 +130,24 @@ class QuantWeight:
     def has_offsets(self) -> bool:
         """False where every offset is 0 (Q8_0, Q6_K): the int8 kernel then skips the offset term and its reads."""
         return bool(self.offsets.any())
+
+    @functools.cached_property
+    def interleaved(self) -> Interleaved | None:
+        """The q4 codes, scales and offsets interleaved by 16 output features for the AVX512-VNNI kernel that
+        takes 16 features a vector (quant_vnni.c: rl_q4x16_linear_i8); None where it does not apply (q8, a
+        feature count not a multiple of 16, a CPU without AVX512-VNNI). Made on first use; it keeps a
+        second copy of the codes (the other kernels read the plain layout)."""
+        n, k = self.out_features, self.in_features
+        if self.layout != "q4" or n % 16 or vnni() != "avx512-vnni":
+            return None
+        groups = k // 32
+        c = self.codes.view(n // 16, 16, groups, 16)  # byte i of a group: weight i | weight i + 16 << 4
+        q = torch.cat([c & 15, c >> 4], dim=-1).view(n // 16, 16, groups, 4, 2, 4)  # [b, r, g, part, half, j]
+        packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [b, g, part, r, j]
+
+        def by_block(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # [b, g, r]
+        return Interleaved(packed.view(-1), by_block(self.scales), by_block(self.offsets))
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +190,12 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
         vl, passes = _vnni_library(), ACTIVATIONS[activations]
         assert vl is not None
         offsets = w.offsets.data_ptr() if w.has_offsets else None
-        if w.layout == "q4":
+        il = w.interleaved
+        if il is not None:
+            rc = vl.rl_q4x16_linear_i8(x.data_ptr(), m, w.in_features, il.codes.data_ptr(), il.scales.data_ptr(),
+                                       il.offsets.data_ptr() if w.has_offsets else None, b, y.data_ptr(),
+                                       w.out_features, passes, threads)
+        elif w.layout == "q4":
             rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
                                     offsets, b, y.data_ptr(), w.out_features, passes, threads)
         else:

@@ -41,13 +41,18 @@ int rl_q4_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, 
                     const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
 int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_t *codes, const float *scales,
                     const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
+int rl_q4x16_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
+                       const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
 
 /* One quantized weight (kernels/cpu/quant.py: QuantWeight). int8: whether the int8-activation kernel
- * takes it here; offsets is always the full array (the int8 kernel skips it where has_offsets is 0). */
+ * takes it here; offsets is always the full array (the int8 kernel skips it where has_offsets is 0).
+ * il_*: the q4 weight interleaved by 16 features (QuantWeight.interleaved), or NULL. */
 typedef struct {
     int64_t q4, group, out, in, has_offsets, int8;
     const void *codes;
     const float *scales, *offsets, *bias;
+    const void *il_codes;
+    const float *il_scales, *il_offsets;
 } rl_qweight;
 
 typedef struct {
@@ -72,6 +77,10 @@ static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y)
     const int nt = (int)s->nthreads;
     if (w->int8 && s->m <= s->int8_rows) {
         const float *off = w->has_offsets ? w->offsets : NULL;
+        if (w->il_codes && rl_q4x16_linear_i8(x, s->m, w->in, w->il_codes, w->il_scales,
+                                              w->has_offsets ? w->il_offsets : NULL, w->bias, y, w->out,
+                                              (int)s->passes, nt) == 0)
+            return 0;
         int rc = w->q4 ? rl_q4_linear_i8(x, s->m, w->in, w->codes, w->scales, off, w->bias, y, w->out,
                                          (int)s->passes, nt)
                        : rl_q8_linear_i8(x, s->m, w->in, w->group, w->codes, w->scales, off, w->bias, y, w->out,
