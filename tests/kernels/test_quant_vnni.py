@@ -80,10 +80,17 @@ def test_each_pass_is_about_128_times_closer():
 
 
 def test_default_takes_three_passes_for_few_rows_and_float32_past_them():
-    w, _ = _q4(64, 96)
+    w, _ = _q4(24, 96)  # 24 features: the per-feature kernel (no interleaved layout)
+    assert w.interleaved is None
     for m in (1, qk.INT8_MAX_ROWS, qk.INT8_MAX_ROWS + 1):
         x = torch.randn(m, 96)
         want = "int8x3" if m <= qk.INT8_MAX_ROWS else "float32"
+        assert torch.equal(qk.linear(x, w), qk.linear(x, w, activations=want))
+    w, _ = _q4(64, 96)
+    most = qk.INTERLEAVED_INT8_MAX_ROWS if w.interleaved is not None else qk.INT8_MAX_ROWS
+    for m in (1, most, most + 1):
+        x = torch.randn(m, 96)
+        want = "int8x3" if m <= most else "float32"
         assert torch.equal(qk.linear(x, w), qk.linear(x, w, activations=want))
     assert qk.DEFAULT_ACTIVATIONS == "int8x3"
 

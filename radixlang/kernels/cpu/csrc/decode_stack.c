@@ -62,7 +62,9 @@ typedef struct {
 } rl_layer;
 
 /* One step: sizes, metadata and buffers. Rows up to int8_rows take int8 activations in `passes` passes
- * (quant.py: INT8_MAX_ROWS, DEFAULT_ACTIVATIONS), more rows float32 ones. */
+ * (quant.py: INT8_MAX_ROWS, DEFAULT_ACTIVATIONS), more rows float32 ones, but for an interleaved weight,
+ * which takes int8 activations at every row count up to the 16 the caller sends
+ * (INTERLEAVED_INT8_MAX_ROWS). */
 typedef struct {
     int64_t m, hidden, heads, kv_heads, head_dim, int8_rows, passes, nthreads, has_residual, r2t_stride;
     double eps, qk_eps, scale;
@@ -75,7 +77,7 @@ typedef struct {
 
 static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y) {
     const int nt = (int)s->nthreads;
-    if (w->int8 && s->m <= s->int8_rows) {
+    if (w->int8 && (s->m <= s->int8_rows || w->il_codes)) { /* interleaved: int8 at every row count here */
         const float *off = w->has_offsets ? w->offsets : NULL;
         if (w->il_codes && rl_q4x16_linear_i8(x, s->m, w->in, w->il_codes, w->il_scales,
                                               w->has_offsets ? w->il_offsets : NULL, w->bias, y, w->out,
