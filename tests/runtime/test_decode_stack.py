@@ -74,3 +74,36 @@ def test_fused_decode_needs_quantized_linears(tiny_model_dir):
         model = engine.scheduler.runner.model
         assert model.decode_stack is None
         assert "not quantized" in why_not(model)
+
+
+@pytest.mark.e2e
+def test_fused_step_takes_speculative_verifies(tmp_path):
+    """n-gram drafts are verified in an extend of a few tokens per request: with 64-dim heads (the extend
+    kernel's) that extend runs fused too, and gives the layer-by-layer tokens."""
+    from radixlang import Engine
+    from radixlang.kernels.attention.base import ForwardMode
+    arch, overrides = FAMILIES["qwen3"]
+    folder = save_tiny_hf_model(str(tmp_path), arch, seed=5, **overrides, head_dim=64)
+    # a prompt that repeats itself, so that drafts are found and some accepted
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18] * 4, list(range(40, 60)) * 2]
+    with Engine(model_path=folder, quantization="int4", max_total_tokens=4096, speculative_algorithm="ngram",
+                speculative_num_draft_tokens=3) as engine:
+        model = engine.scheduler.runner.model
+        stack = model.decode_stack
+        assert stack is not None, why_not(model)
+        taken = []
+        forward = stack.forward
+
+        def counted(ids, pos, fb):
+            hidden = forward(ids, pos, fb)
+            taken.append((fb.forward_mode, hidden is not None))
+            return hidden
+        stack.forward = counted
+        fused = _run(engine, prompts) + _run(engine, prompts[:1])
+        assert (ForwardMode.EXTEND, True) in taken  # the verifies ran fused
+        model.decode_stack = None
+        engine.flush_cache()
+        plain = _run(engine, prompts) + _run(engine, prompts[:1])
+    for (ft, fl), (pt, pl) in zip(fused, plain):
+        assert ft == pt
+        assert max(abs(a - b) for a, b in zip(fl, pl)) < 1e-4

@@ -64,6 +64,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             raise RuntimeError("decode_metadata before init_forward_metadata")
         return self._req_idx, self._seq_lens
 
+    def extend_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This extend step's (req_pool_indices, q_start, prefix_lens, extend_lens), int64, as
+        ``init_forward_metadata`` checked them; None where the extend kernel does not take these heads."""
+        if not self._extend_kernel:
+            return None
+        if self._req_idx is None or self._ext is None:
+            raise RuntimeError("extend_metadata before init_forward_metadata")
+        return (self._req_idx, *self._ext)
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> None:
         if (k.dtype == v.dtype == k_buf.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1

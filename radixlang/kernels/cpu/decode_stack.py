@@ -47,10 +47,11 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("m", "hidden", "heads", "kv_heads", "head_dim", "int8_rows", "passes",
-                                          "nthreads", "has_residual", "r2t_stride")] + \
+                                          "nthreads", "has_residual", "r2t_stride", "bs")] + \
                [("eps", _D), ("qk_eps", _D), ("scale", _D)] + \
-               [(name, _P) for name in ("pos", "loc", "req_idx", "seq_lens", "req_to_token", "cos", "ssin", "x",
-                                        "residual", "qkv", "attn", "h", "gu", "act")]
+               [(name, _P) for name in ("pos", "loc", "req_idx", "seq_lens", "q_start", "prefix_lens",
+                                        "extend_lens", "req_to_token", "cos", "ssin", "x", "residual", "qkv",
+                                        "attn", "h", "gu", "act")]
 
 
 @functools.cache
@@ -73,4 +74,4 @@ def run(layers: ctypes.Array, step: Step) -> None:
     if isinstance(lib, str):
         raise RuntimeError(f"the fused decode step is unavailable: {lib}")
     if lib.rl_decode_stack(ctypes.addressof(layers), len(layers), ctypes.byref(step)) != 0:
-        raise MemoryError("decode attention could not allocate its score buffer")
+        raise MemoryError("attention could not allocate its buffers")

@@ -127,19 +127,28 @@ class DecodeStack:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor | None:
-        """The hidden states after the final norm, [m, hidden]; None where this step is not one it takes."""
+        """The hidden states after the final norm, [m, hidden]; None where this step is not one it takes
+        (more than KERNEL_MAX_ROWS tokens, another attention backend, an extend the extend kernel does not
+        take)."""
         m = input_ids.numel()
         backend = forward_batch.attn_backend
-        if (not forward_batch.forward_mode.is_decode() or not 0 < m <= KERNEL_MAX_ROWS
-                or type(backend) is not CpuAttnBackend):
+        if not 0 < m <= KERNEL_MAX_ROWS or type(backend) is not CpuAttnBackend:
             return None
-        req_idx, seq_lens = backend.decode_metadata()
+        if forward_batch.forward_mode.is_decode():
+            (req_idx, seq_lens), extend = backend.decode_metadata(), None
+        else:  # a few new tokens per request (a speculative verify, a short turn): the extend kernel
+            extend = backend.extend_metadata()
+            if extend is None:
+                return None
+            req_idx, seq_lens = extend[0], extend[3]  # seq_lens is read only by a decode step
         layers = self._layer_array(forward_batch.token_to_kv_pool)
         model = self.model
         cos, ssin = model.cos_cache, model.signed_sin_cache
         r2t, loc = forward_batch.req_to_token, forward_batch.out_cache_loc
+        bs = req_idx.shape[0]
         if (positions.dtype != torch.int64 or positions.shape != (m,) or loc.dtype != torch.int64
-                or loc.shape != (m,) or req_idx.shape != (m,) or seq_lens.shape != (m,)
+                or loc.shape != (m,) or seq_lens.shape != (bs,) or (extend is None and bs != m)
+                or (extend is not None and int(extend[3].sum()) != m)
                 or r2t.dtype != torch.int32 or r2t.stride(1) != 1):
             raise ValueError("decode metadata: positions, out_cache_loc, req_pool_indices and seq_lens must be "
                              "int64 [batch] and req_to_token int32 rows")
@@ -154,8 +163,9 @@ class DecodeStack:
         qkv, attn, h, gu, act = self._buffers(m)
         step = ds.Step(m, self.hidden, self.heads, self.kv_heads, self.head_dim, qk.INT8_MAX_ROWS,
                        qk.ACTIVATIONS[qk.DEFAULT_ACTIVATIONS], torch.get_num_threads(), 0, r2t.stride(0),
-                       self.eps, self.qk_eps, self.scale,
-                       positions.data_ptr(), loc.data_ptr(), req_idx.data_ptr(), seq_lens.data_ptr(), r2t.data_ptr(),
+                       0 if extend is None else bs, self.eps, self.qk_eps, self.scale,
+                       positions.data_ptr(), loc.data_ptr(), req_idx.data_ptr(), seq_lens.data_ptr(),
+                       *((None,) * 3 if extend is None else (t.data_ptr() for t in extend[1:])), r2t.data_ptr(),
                        cos.data_ptr(), ssin.data_ptr(), x.data_ptr(), residual.data_ptr(), qkv.data_ptr(),
                        attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr())
         ds.run(layers, step)

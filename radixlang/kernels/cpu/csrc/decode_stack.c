@@ -11,7 +11,8 @@
  * Per layer, on m rows (x: the previous sublayer's output, residual: the sum before it):
  *   residual += x; x = rms_norm(residual) * ln1          (layer 0 without a residual: residual = x)
  *   qkv = x @ Wqkv^T (+ b); per-head rms_norm of q and k (q_norm / k_norm, when given); rotary on q and k
- *   k, v -> the KV pool at loc; attn = paged decode attention of q over each request's slots
+ *   k, v -> the KV pool at loc; attn = paged decode attention of q over each request's slots (or, for an
+ *   extend of a few tokens, such as a speculative verify, the causal extend attention)
  *   h = attn @ Wo^T; residual += h; h = rms_norm(residual) * ln2
  *   x = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
  * The caller applies the final norm. Everything is float32; the Python side (kernels/cpu/decode_stack.py)
@@ -29,6 +30,10 @@ void rl_rope(float *x, int64_t row_stride, int64_t n, int64_t heads, int64_t d, 
 void rl_silu_mul(const float *gu, float *out, int64_t n, int64_t inter, int nthreads);
 void rl_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_buf, float *v_buf,
                  const int64_t *loc, int64_t n, int64_t width);
+int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
+                        const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
+                        const int64_t *q_start, const int64_t *prefix_len, const int64_t *ext_len, float *out,
+                        int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int nthreads);
 int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *seq_lens, float *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
@@ -67,8 +72,9 @@ typedef struct {
  * (INTERLEAVED_INT8_MAX_ROWS). */
 typedef struct {
     int64_t m, hidden, heads, kv_heads, head_dim, int8_rows, passes, nthreads, has_residual, r2t_stride;
+    int64_t bs; /* requests; 0: a decode step (one row each, seq_lens), else an extend over q_start .. */
     double eps, qk_eps, scale;
-    const int64_t *pos, *loc, *req_idx, *seq_lens;
+    const int64_t *pos, *loc, *req_idx, *seq_lens, *q_start, *prefix_lens, *extend_lens;
     const int32_t *req_to_token;
     const float *cos, *ssin;
     float *x, *residual;              /* [m, hidden], in and out */
@@ -96,7 +102,7 @@ static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y)
     return 0;
 }
 
-/* Returns 0, or -1 when the attention kernel could not allocate its scores. */
+/* Returns 0, or -1 when the attention kernel could not allocate its buffers. */
 int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) {
     const int64_t m = s->m, H = s->hidden, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
@@ -117,8 +123,11 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
             rl_rms_norm(s->qkv + i * W + q_size, d, L->k_norm, s->qkv + i * W + q_size, s->kv_heads, d, qk_eps, nt);
         rl_rope(s->qkv, W, m, s->heads + s->kv_heads, d, s->pos, s->cos, s->ssin, nt);
         rl_store_kv(s->qkv + q_size, W, s->qkv + q_size + kv_size, W, L->k_buf, L->v_buf, s->loc, m, kv_size);
-        if (rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
-                                s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale, nt))
+        if (s->bs ? rl_extend_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
+                                        s->q_start, s->prefix_lens, s->extend_lens, s->attn, s->bs, s->heads,
+                                        s->kv_heads, d, (float)s->scale, nt)
+                  : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
+                                        s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale, nt))
             return -1;
         qlin(s, &L->o, s->attn, s->h);
         rl_add_rms_norm(s->h, s->residual, L->ln2, m, H, eps, nt);
