@@ -3,7 +3,8 @@
 The library links decode_stack.c with cpu_ops.c, quant_ops.c and quant_vnni.c, and runs their kernels
 layer after layer as the Python layers would call them (see the C header for the order). ``Layer`` and
 ``Step`` mirror the C structs; ``QWeight.of`` describes a ``QuantWeight``. The C code trusts every
-pointer and size: ``run`` checks the step's shapes, dtypes and index ranges against the layers first.
+pointer and size: the caller (runtime/models/decode_stack.py) checks the step's shapes, dtypes and index
+ranges before ``run``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ _P, _I64, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
 class QWeight(ctypes.Structure):
-    _fields_ = [("q4", _I64), ("group", _I64), ("out", _I64), ("in_", _I64), ("has_offsets", _I64), ("int8", _I64),
+    _fields_ = [("q4", _I64), ("group", _I64), ("out", _I64), ("in_", _I64), ("has_offsets", _I64),
+                ("int8_rows", _I64),
                 ("codes", _P), ("scales", _P), ("offsets", _P), ("bias", _P), ("il_codes", _P), ("il_scales", _P),
                 ("il_offsets", _P)]
 
@@ -33,7 +35,7 @@ class QWeight(ctypes.Structure):
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous float32 [{w.out_features}]")
         il = w.interleaved
-        return QWeight(w.layout == "q4", w.group, w.out_features, w.in_features, w.has_offsets, qk.int8_fits(w),
+        return QWeight(w.layout == "q4", w.group, w.out_features, w.in_features, w.has_offsets, qk.int8_max_rows(w),
                        w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
                        None if bias is None else bias.data_ptr(),
                        *((None,) * 3 if il is None else (il.codes.data_ptr(), il.scales.data_ptr(),
@@ -46,8 +48,8 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [(name, _I64) for name in ("m", "hidden", "heads", "kv_heads", "head_dim", "int8_rows", "passes",
-                                          "nthreads", "has_residual", "r2t_stride", "bs")] + \
+    _fields_ = [(name, _I64) for name in ("m", "hidden", "heads", "kv_heads", "head_dim", "passes", "nthreads",
+                                          "r2t_stride", "bs")] + \
                [("eps", _D), ("qk_eps", _D), ("scale", _D)] + \
                [(name, _P) for name in ("pos", "loc", "req_idx", "seq_lens", "q_start", "prefix_lens",
                                         "extend_lens", "req_to_token", "cos", "ssin", "x", "residual", "qkv",

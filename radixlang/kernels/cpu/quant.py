@@ -85,6 +85,13 @@ def int8_fits(w: QuantWeight) -> bool:
     return vnni() is not None and (w.layout == "q4" or 64 % w.group == 0 or w.group % 64 == 0)
 
 
+def int8_max_rows(w: QuantWeight) -> int:
+    """Up to how many rows ``linear`` takes DEFAULT_ACTIVATIONS for this weight by default (0: never here)."""
+    if not int8_fits(w):
+        return 0
+    return INTERLEAVED_INT8_MAX_ROWS if w.interleaved is not None else INT8_MAX_ROWS
+
+
 def available() -> bool:
     return not isinstance(_library(), str)
 
@@ -189,8 +196,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
     if activations not in (None, "float32") and not fits:
         raise ValueError(f"no int8-activation kernel here for {w.layout} groups of {w.group} (VNNI: {vnni()})")
     if activations is None:
-        most = INTERLEAVED_INT8_MAX_ROWS if w.interleaved is not None else INT8_MAX_ROWS
-        activations = DEFAULT_ACTIVATIONS if fits and m <= most else "float32"
+        activations = DEFAULT_ACTIVATIONS if m <= int8_max_rows(w) else "float32"
     threads = torch.get_num_threads()
     if activations != "float32":
         vl, passes = _vnni_library(), ACTIVATIONS[activations]

@@ -79,7 +79,7 @@ class DecodeStack:
         self.scale = attn.scaling
         self.qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
         self.eps = model.layers[0].input_layernorm.eps
-        self._pool_key: tuple[int, ...] | None = None
+        self._pool: Any = None  # the KV pool _layers points into (its buffers are made once, with it)
         self._layers: Any = None
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
 
@@ -94,11 +94,10 @@ class DecodeStack:
         return cls(model)
 
     def _layer_array(self, pool: Any) -> Any:
-        """The C layer structs for this KV pool (rebuilt if the pool's buffers change)."""
-        bufs = [(pool.get_key_buffer(i), pool.get_value_buffer(i)) for i in range(len(self.model.layers))]
-        key = tuple(t.data_ptr() for pair in bufs for t in pair)
-        if key == self._pool_key:
+        """The C layer structs for this KV pool (made on its first step)."""
+        if pool is self._pool:
             return self._layers
+        bufs = [(pool.get_key_buffer(i), pool.get_value_buffer(i)) for i in range(len(self.model.layers))]
         want = (self.kv_heads, self.head_dim)
         for k, v in bufs:
             for t in (k, v):
@@ -114,7 +113,7 @@ class DecodeStack:
                               *(ds.QWeight.of(lin.weight_q, lin.bias)
                                 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                               k.data_ptr(), v.data_ptr())
-        self._pool_key, self._layers, self._slots = key, arr, bufs[0][0].shape[0]
+        self._pool, self._layers = pool, arr
         return arr
 
     def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
@@ -143,7 +142,7 @@ class DecodeStack:
             req_idx, seq_lens = extend[0], extend[3]  # seq_lens is read only by a decode step
         layers = self._layer_array(forward_batch.token_to_kv_pool)
         model = self.model
-        cos, ssin = model.cos_cache, model.signed_sin_cache
+        rope = model._rotary(positions, 0)  # checks the positions against the table
         r2t, loc = forward_batch.req_to_token, forward_batch.out_cache_loc
         bs = req_idx.shape[0]
         if (positions.dtype != torch.int64 or positions.shape != (m,) or loc.dtype != torch.int64
@@ -152,8 +151,6 @@ class DecodeStack:
                 or r2t.dtype != torch.int32 or r2t.stride(1) != 1):
             raise ValueError("decode metadata: positions, out_cache_loc, req_pool_indices and seq_lens must be "
                              "int64 [batch] and req_to_token int32 rows")
-        if int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]:
-            raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
         positions, loc = positions.contiguous(), loc.contiguous()
         x = model.embed_tokens(input_ids)
         if model.embed_scale is not None:
@@ -161,12 +158,12 @@ class DecodeStack:
         x = x.float().contiguous()
         residual = torch.empty_like(x)
         qkv, attn, h, gu, act = self._buffers(m)
-        step = ds.Step(m, self.hidden, self.heads, self.kv_heads, self.head_dim, qk.INT8_MAX_ROWS,
-                       qk.ACTIVATIONS[qk.DEFAULT_ACTIVATIONS], torch.get_num_threads(), 0, r2t.stride(0),
+        step = ds.Step(m, self.hidden, self.heads, self.kv_heads, self.head_dim,
+                       qk.ACTIVATIONS[qk.DEFAULT_ACTIVATIONS], torch.get_num_threads(), r2t.stride(0),
                        0 if extend is None else bs, self.eps, self.qk_eps, self.scale,
                        positions.data_ptr(), loc.data_ptr(), req_idx.data_ptr(), seq_lens.data_ptr(),
                        *((None,) * 3 if extend is None else (t.data_ptr() for t in extend[1:])), r2t.data_ptr(),
-                       cos.data_ptr(), ssin.data_ptr(), x.data_ptr(), residual.data_ptr(), qkv.data_ptr(),
-                       attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr())
+                       rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                       qkv.data_ptr(), attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr())
         ds.run(layers, step)
         return model.norm.add_norm(x, residual)[0]

@@ -9,7 +9,7 @@
  * numbers are the Python path's. Each kernel keeps its own OpenMP loop over the thread team.
  *
  * Per layer, on m rows (x: the previous sublayer's output, residual: the sum before it):
- *   residual += x; x = rms_norm(residual) * ln1          (layer 0 without a residual: residual = x)
+ *   residual += x; x = rms_norm(residual) * ln1          (layer 0: residual = x)
  *   qkv = x @ Wqkv^T (+ b); per-head rms_norm of q and k (q_norm / k_norm, when given); rotary on q and k
  *   k, v -> the KV pool at loc; attn = paged decode attention of q over each request's slots (or, for an
  *   extend of a few tokens, such as a speculative verify, the causal extend attention)
@@ -49,11 +49,12 @@ int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_
 int rl_q4x16_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
                        const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
 
-/* One quantized weight (kernels/cpu/quant.py: QuantWeight). int8: whether the int8-activation kernel
- * takes it here; offsets is always the full array (the int8 kernel skips it where has_offsets is 0).
- * il_*: the q4 weight interleaved by 16 features (QuantWeight.interleaved), or NULL. */
+/* One quantized weight (kernels/cpu/quant.py: QuantWeight). int8_rows: up to how many rows it takes int8
+ * activations (quant.py: int8_max_rows; 0: never), in `passes` passes, as quant.linear does; offsets is always
+ * the full array (the int8 kernel skips it where has_offsets is 0). il_*: the q4 weight interleaved by 16
+ * features (QuantWeight.interleaved), or NULL. */
 typedef struct {
-    int64_t q4, group, out, in, has_offsets, int8;
+    int64_t q4, group, out, in, has_offsets, int8_rows;
     const void *codes;
     const float *scales, *offsets, *bias;
     const void *il_codes;
@@ -66,12 +67,9 @@ typedef struct {
     float *k_buf, *v_buf; /* this layer's KV pool [slots, kv_heads, head_dim] */
 } rl_layer;
 
-/* One step: sizes, metadata and buffers. Rows up to int8_rows take int8 activations in `passes` passes
- * (quant.py: INT8_MAX_ROWS, DEFAULT_ACTIVATIONS), more rows float32 ones, but for an interleaved weight,
- * which takes int8 activations at every row count up to the 16 the caller sends
- * (INTERLEAVED_INT8_MAX_ROWS). */
+/* One step: sizes, metadata and buffers; layer 0's input x starts the residual stream. */
 typedef struct {
-    int64_t m, hidden, heads, kv_heads, head_dim, int8_rows, passes, nthreads, has_residual, r2t_stride;
+    int64_t m, hidden, heads, kv_heads, head_dim, passes, nthreads, r2t_stride;
     int64_t bs; /* requests; 0: a decode step (one row each, seq_lens), else an extend over q_start .. */
     double eps, qk_eps, scale;
     const int64_t *pos, *loc, *req_idx, *seq_lens, *q_start, *prefix_lens, *extend_lens;
@@ -83,7 +81,7 @@ typedef struct {
 
 static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y) {
     const int nt = (int)s->nthreads;
-    if (w->int8 && (s->m <= s->int8_rows || w->il_codes)) { /* interleaved: int8 at every row count here */
+    if (s->m <= w->int8_rows) {
         const float *off = w->has_offsets ? w->offsets : NULL;
         if (w->il_codes && rl_q4x16_linear_i8(x, s->m, w->in, w->il_codes, w->il_scales,
                                               w->has_offsets ? w->il_offsets : NULL, w->bias, y, w->out,
@@ -110,7 +108,7 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
     for (int64_t l = 0; l < n_layers; l++) {
         const rl_layer *L = layers + l;
         const int64_t W = L->qkv.out, inter = L->gate_up.out / 2;
-        if (l == 0 && !s->has_residual) {
+        if (l == 0) {
             memcpy(s->residual, s->x, sizeof(float) * m * H);
             rl_rms_norm(s->residual, H, L->ln1, s->x, m, H, eps, nt);
         } else {
