@@ -81,13 +81,13 @@ def test_each_pass_is_about_128_times_closer():
 
 def test_default_takes_three_passes_for_few_rows_and_float32_past_them():
     w, _ = _q4(24, 96)  # 24 features: the per-feature kernel (no interleaved layout)
-    assert w.interleaved is None
+    assert w.interleave() is w
     for m in (1, qk.INT8_MAX_ROWS, qk.INT8_MAX_ROWS + 1):
         x = torch.randn(m, 96)
         want = "int8x3" if m <= qk.INT8_MAX_ROWS else "float32"
         assert torch.equal(qk.linear(x, w), qk.linear(x, w, activations=want))
-    w, _ = _q4(64, 96)
-    most = qk.INTERLEAVED_INT8_MAX_ROWS if w.interleaved is not None else qk.INT8_MAX_ROWS
+    w = _q4(64, 96)[0].interleave()
+    most = qk.INTERLEAVED_INT8_MAX_ROWS if w.layout == "q4x16" else qk.INT8_MAX_ROWS
     for m in (1, most, most + 1):
         x = torch.randn(m, 96)
         want = "int8x3" if m <= most else "float32"
@@ -114,36 +114,42 @@ def test_zero_rows_and_zero_groups():
     torch.testing.assert_close(qk.linear(x, w, activations="int8x3").double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(qk.vnni() != "avx512-vnni", reason="the 16-feature interleaved kernel is AVX512-VNNI only")
+X16 = pytest.mark.skipif(qk.vnni() != "avx512-vnni", reason="the 16-feature interleaved kernels are AVX512-VNNI only")
+INTERLEAVED_MAKERS = {"q4": MAKERS["q4"], "q8-g16": MAKERS["q8-g16"], "q8-g32": MAKERS["q8-g32"]}
+
+
+@X16
+@pytest.mark.parametrize("layout", list(INTERLEAVED_MAKERS))
 @pytest.mark.parametrize("offsets", [True, False])
-def test_interleaved_q4_kernel_matches_the_plain_one_and_the_bound(offsets):
-    from dataclasses import replace
+def test_interleaved_kernels_match_the_plain_ones_and_the_bound(layout, offsets):
     g = torch.Generator().manual_seed(7)
     for n, k in [(16, 32), (48, 96), (960, 576), (576, 1536)]:
-        w, ref = _q4(n, k, seed=n + k)
+        w, ref = INTERLEAVED_MAKERS[layout](n, k, n + k)
         if not offsets:
             w, ref = _no_offsets((w, ref))
-        assert w.interleaved is not None
-        plain = replace(w)  # a copy whose interleaved layout is marked absent: the per-feature kernel runs
-        plain.__dict__["interleaved"] = None
-        for m in (1, 2, 3, 5):
+        il = w.interleave()
+        assert il.layout == w.layout[:2] + "x16" and il.nbytes == w.nbytes  # one copy of the codes, reordered
+        for m in (1, 2, 3, 5, 16):
             x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
             x[:, int(torch.randint(0, k, (1,), generator=g))] *= 40
             bias = torch.randn(n, generator=g)
+            want = x.double() @ ref.double().t() + bias.double()
+            scale = x.double().abs() @ ref.double().abs().t()
             for activations, passes in PASSES.items():
-                got = qk.linear(x, w, bias, activations=activations).double()
-                want = x.double() @ ref.double().t() + bias.double()
-                scale = x.double().abs() @ ref.double().abs().t()
+                got = qk.linear(x, il, bias, activations=activations).double()
                 assert ((got - want).abs() <= _bound(x, ref, passes) + 1e-5 * scale + 1e-5).all(), (n, k, m)
-                other = qk.linear(x, plain, bias, activations=activations).double()
+                other = qk.linear(x, w, bias, activations=activations).double()
                 torch.testing.assert_close(got, other, rtol=1e-5, atol=1e-5 * scale.max().item())
+            # float32 activations read the plain layout again: the float32 kernel's numbers
+            torch.testing.assert_close(qk.linear(x, il, bias, activations="float32"),
+                                       qk.linear(x, w, bias, activations="float32"))
+        assert torch.equal(qk.dequantize(il), qk.dequantize(w))
 
 
-def test_interleaved_layout():
-    if qk.vnni() != "avx512-vnni":
-        pytest.skip("the interleaved layout is made for the AVX512-VNNI kernel only")
+@X16
+def test_interleaved_layouts():
     w, ref = _q4(32, 64, seed=1)
-    il = w.interleaved
+    il = w.interleave()
     q = torch.round((ref - w.offsets.repeat_interleave(32, 1)) / w.scales.repeat_interleave(32, 1)).to(torch.uint8)
     codes = il.codes.view(2, 2, 4, 16, 4)  # [block, group, part, feature, j]
     for b, gr, part, r, j in [(0, 0, 0, 0, 0), (1, 1, 3, 15, 3), (0, 1, 2, 7, 1), (1, 0, 1, 3, 2)]:
@@ -152,4 +158,15 @@ def test_interleaved_layout():
         assert byte & 15 == q[feature, first] and byte >> 4 == q[feature, first + 4]
     assert torch.equal(il.scales.view(2, 2, 16)[1, 0], w.scales[16:32, 0])
     assert torch.equal(il.offsets.view(2, 2, 16)[0, 1], w.offsets[:16, 1])
-    assert _q4(24, 64)[0].interleaved is None  # not a multiple of 16 features
+    w8 = _q8(32, 64, 16, seed=2)[0]
+    codes8 = w8.interleave().codes.view(2, 16, 16, 4)  # [block, step of 4 inputs, feature, j], q + 128
+    for b, st, r, j in [(0, 0, 0, 0), (1, 15, 15, 3), (0, 7, 9, 2), (1, 3, 4, 1)]:
+        assert int(codes8[b, st, r, j]) == int(w8.codes[16 * b + r, 4 * st + j]) + 128
+    assert torch.equal(w8.interleave().scales.view(2, 4, 16)[1, 3], w8.scales[16:32, 3])
+    for plain in (w, w8):
+        back = plain.interleave().plain()
+        assert all(torch.equal(getattr(back, f), getattr(plain, f)) for f in ("codes", "scales", "offsets"))
+    assert _q4(24, 64)[0].interleave().layout == "q4"  # not a multiple of 16 features
+    assert _q8(32, 128, 64)[0].interleave().layout == "q8"  # groups of 64: the per-feature kernel
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        qk.QuantWeight.concat([w.interleave(), w.interleave()])

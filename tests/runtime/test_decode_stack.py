@@ -29,17 +29,38 @@ def family_dir(request, tmp_path_factory):
     return save_tiny_hf_model(str(tmp_path_factory.mktemp(request.param)), arch, seed=5, **overrides)
 
 
+def _as_q8(w):
+    """The same weights as q8 codes in groups of 32 (code - 8, offset + 8 scale), in this CPU's layout."""
+    import torch
+
+    from radixlang.kernels.cpu import quant as qk
+    p = w.plain()
+    n, k = p.out_features, p.in_features
+    c = p.codes.view(n, k // 32, 16)
+    q = torch.cat([c & 15, c >> 4], dim=-1).view(n, k).to(torch.int8) - 8
+    return qk.QuantWeight("q8", q.contiguous(), p.scales, p.offsets + 8 * p.scales, 32, n, k).interleave()
+
+
 @pytest.mark.e2e
-def test_fused_decode_matches_layer_by_layer(family_dir):
+@pytest.mark.parametrize("codes", ["q4", "q8"])
+def test_fused_decode_matches_layer_by_layer(family_dir, codes):
     from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import QuantLinear
     with Engine(model_path=family_dir, quantization="int4", max_total_tokens=4096) as engine:
         model = engine.scheduler.runner.model
+        batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS]
+        if codes == "q8":  # Q8_0 / Q5_K / Q6_K files' layout, on the same numbers as the q4 run first
+            as_q4 = [_run(engine, b) for b in batches]
+            for m in model.modules():
+                if isinstance(m, QuantLinear):
+                    m.weight_q = _as_q8(m.weight_q)
+            model.decode_stack._pool = None  # its layer structs point at the weights they were made from
+            engine.flush_cache()
         stack = model.decode_stack
         assert stack is not None, why_not(model)
         calls = []
         forward = stack.forward
         stack.forward = lambda *a: calls.append(1) or forward(*a)
-        batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS]
         fused = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]  # the last over cached prefixes
         assert len(calls) >= 4 * (GREEDY["max_new_tokens"] - 1)  # every decode step took the fused call
         model.decode_stack = None
@@ -50,6 +71,9 @@ def test_fused_decode_matches_layer_by_layer(family_dir):
         for (ft, fl), (pt, pl) in zip(fb, pb):
             assert ft == pt
             assert max(abs(a - b) for a, b in zip(fl, pl)) < 1e-4
+    for qb, fb in zip(as_q4 if codes == "q8" else [], fused):
+        for (qt, ql), (ft, fl) in zip(qb, fb):
+            assert qt == ft and max(abs(a - b) for a, b in zip(ql, fl)) < 1e-4
 
 
 @pytest.mark.e2e

@@ -24,22 +24,17 @@ _P, _I64, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
 class QWeight(ctypes.Structure):
-    _fields_ = [("q4", _I64), ("group", _I64), ("out", _I64), ("in_", _I64), ("has_offsets", _I64),
-                ("int8_rows", _I64),
-                ("codes", _P), ("scales", _P), ("offsets", _P), ("bias", _P), ("il_codes", _P), ("il_scales", _P),
-                ("il_offsets", _P)]
+    _fields_ = [("layout", _I64), ("group", _I64), ("out", _I64), ("in_", _I64), ("has_offsets", _I64),
+                ("int8_rows", _I64), ("codes", _P), ("scales", _P), ("offsets", _P), ("bias", _P)]
 
     @staticmethod
     def of(w: qk.QuantWeight, bias: torch.Tensor | None) -> QWeight:
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.out_features,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous float32 [{w.out_features}]")
-        il = w.interleaved
-        return QWeight(w.layout == "q4", w.group, w.out_features, w.in_features, w.has_offsets, qk.int8_max_rows(w),
-                       w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
-                       None if bias is None else bias.data_ptr(),
-                       *((None,) * 3 if il is None else (il.codes.data_ptr(), il.scales.data_ptr(),
-                                                         il.offsets.data_ptr())))
+        return QWeight(qk.LAYOUTS.index(w.layout), w.group, w.out_features, w.in_features, w.has_offsets,
+                       qk.int8_max_rows(w), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
+                       None if bias is None else bias.data_ptr())
 
 
 class Layer(ctypes.Structure):
@@ -76,4 +71,4 @@ def run(layers: ctypes.Array, step: Step) -> None:
     if isinstance(lib, str):
         raise RuntimeError(f"the fused decode step is unavailable: {lib}")
     if lib.rl_decode_stack(ctypes.addressof(layers), len(layers), ctypes.byref(step)) != 0:
-        raise MemoryError("attention could not allocate its buffers")
+        raise MemoryError("the fused decode step could not allocate its buffers")

@@ -11,8 +11,8 @@ on CPUs with AVX512-VNNI or AVX-VNNI, quantizes each activation row to int8 per 
 integer dot products of codes and activations (lossy by the activation rounding; see its header), in one
 pass (int8) or more (int8x2, int8x3: then the int8 codes of what the earlier passes leave). ``linear(...,
 activations=None)`` takes DEFAULT_ACTIVATIONS for up to INT8_MAX_ROWS rows (INTERLEAVED_INT8_MAX_ROWS on
-the 16-feature interleaved q4 layout of AVX512-VNNI CPUs) where the CPU has VNNI and the layout fits, else
-float32.
+the 16-feature interleaved layouts q4x16 / q8x16 of AVX512-VNNI CPUs) where the CPU has VNNI and the layout
+fits, else float32.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ _VNNI_SIGNATURES = {
     "rl_q4_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
     "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
     "rl_q4x16_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+    "rl_q8x16_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
 }
 VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
 # how ``linear`` takes the activations: float32 (each weight decoded to float32), or quantized per group of
@@ -47,10 +48,10 @@ VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
 ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2, "int8x3": 3}
 DEFAULT_ACTIVATIONS = "int8x3"  # the one pass of llama.cpp moves SmolLM2's greedy output (its outliers)
 INT8_MAX_ROWS = 2  # from 3 rows on, the per-row work of three passes outweighs the cheaper decoding
-# ... except on the interleaved q4 layout, whose int8x3 kernel ran 1.8x faster than the float32 one at every
-# row count from 1 to 16 (SmolLM2's shapes, 2 threads, AVX512-VNNI)
+# ... except on the interleaved layouts, whose int8x3 kernels ran faster than the float32 ones at every row
+# count from 1 to 16 (q4: 1.8x; SmolLM2's shapes, 2 threads, AVX512-VNNI)
 INTERLEAVED_INT8_MAX_ROWS = 16
-LAYOUTS = ("q4", "q8")
+LAYOUTS = ("q4", "q8", "q4x16", "q8x16")
 
 
 @functools.cache
@@ -82,14 +83,14 @@ def vnni() -> str | None:
 def int8_fits(w: QuantWeight) -> bool:
     """Whether the int8-activation kernel takes this weight here (a VNNI CPU; q8 groups of 16, 32 or a
     multiple of 64)."""
-    return vnni() is not None and (w.layout == "q4" or 64 % w.group == 0 or w.group % 64 == 0)
+    return vnni() is not None and (w.layout != "q8" or 64 % w.group == 0 or w.group % 64 == 0)
 
 
 def int8_max_rows(w: QuantWeight) -> int:
     """Up to how many rows ``linear`` takes DEFAULT_ACTIVATIONS for this weight by default (0: never here)."""
     if not int8_fits(w):
         return 0
-    return INTERLEAVED_INT8_MAX_ROWS if w.interleaved is not None else INT8_MAX_ROWS
+    return INTERLEAVED_INT8_MAX_ROWS if w.layout in ("q4x16", "q8x16") else INT8_MAX_ROWS
 
 
 def available() -> bool:
@@ -103,19 +104,19 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-@dataclass(frozen=True)
-class Interleaved:
-    """A q4 weight's codes [N / 16, groups, 4, 16, 4] (flat) and scales / offsets [N / 16, groups, 16]."""
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor
+INTERLEAVED = {"q4": "q4x16", "q8": "q8x16"}
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """One [out_features, in_features] weight: codes, and float32 scales / offsets [out, in / group]."""
+    """One [out_features, in_features] weight: codes, and float32 scales / offsets [out, in / group].
+
+    ``q4x16`` and ``q8x16`` hold the same numbers as ``q4`` and ``q8`` with their bytes interleaved by 16
+    output features for the AVX512-VNNI kernels that take 16 features a vector (``interleave``; quant_vnni.c:
+    rl_q4x16_linear_i8, rl_q8x16_linear_i8): the tensors keep their shapes, their bytes are reordered
+    (``plain`` gives the plain layout back)."""
     layout: str
-    codes: torch.Tensor  # q4: uint8 [out, in / 2]; q8: int8 [out, in]
+    codes: torch.Tensor  # q4 / q4x16: uint8 [out, in / 2]; q8: int8 [out, in]; q8x16: uint8 [out, in] (q + 128)
     scales: torch.Tensor
     offsets: torch.Tensor
     group: int
@@ -126,9 +127,13 @@ class QuantWeight:
         n, k, g = self.out_features, self.in_features, self.group
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if g % 16 or k % g or (self.layout == "q4" and g != 32):
+        q4 = self.layout in ("q4", "q4x16")
+        if g % 16 or k % g or (q4 and g != 32) or (self.layout == "q8x16" and g not in (16, 32)):
             raise ValueError(f"group {g} does not fit layout {self.layout} with {k} input features")
-        want = (torch.uint8, (n, k // 2)) if self.layout == "q4" else (torch.int8, (n, k))
+        if self.layout in INTERLEAVED.values() and (n % 16 or k % 32):
+            raise ValueError(f"layout {self.layout} needs a multiple of 16 outputs and of 32 inputs, got {n} x {k}")
+        want = ((torch.uint8, (n, k // 2)) if q4 else
+                (torch.int8 if self.layout == "q8" else torch.uint8, (n, k)))
         if (self.codes.dtype, tuple(self.codes.shape)) != want or not self.codes.is_contiguous():
             raise ValueError(f"{self.layout} codes must be contiguous {want[0]} {want[1]}, got "
                              f"{self.codes.dtype} {tuple(self.codes.shape)}")
@@ -142,23 +147,51 @@ class QuantWeight:
         """False where every offset is 0 (Q8_0, Q6_K): the int8 kernel then skips the offset term and its reads."""
         return bool(self.offsets.any())
 
-    @functools.cached_property
-    def interleaved(self) -> Interleaved | None:
-        """The q4 codes, scales and offsets interleaved by 16 output features for the AVX512-VNNI kernel that
-        takes 16 features a vector (quant_vnni.c: rl_q4x16_linear_i8); None where it does not apply (q8, a
-        feature count not a multiple of 16, a CPU without AVX512-VNNI). Made on first use; it keeps a
-        second copy of the codes (the other kernels read the plain layout)."""
+    def interleave(self) -> QuantWeight:
+        """This weight in the layout this CPU runs fastest: interleaved by 16 output features on AVX512-VNNI
+        (q4, and q8 in groups of 16 or 32, where the shape fits), else itself. Only one copy of the codes
+        is kept: the float32 paths (``dequantize``, float32 activations) restore the plain layout per call.
+
+        q4x16: block b (features 16 b ..) of group g is 256 bytes, four parts of 64; in part i, bytes
+        4 r .. 4 r + 3 hold feature 16 b + r's codes of inputs 32 g + 8 i + j (j < 4) in their low nibbles
+        and of 32 g + 8 i + 4 + j in their high nibbles. q8x16: block b is K / 4 vectors of 64 bytes, one
+        per 4 inputs, bytes 4 r .. 4 r + 3 feature 16 b + r's codes + 128. Scales and offsets: [N / 16,
+        groups, 16] (a block's 16 features together per group)."""
         n, k = self.out_features, self.in_features
-        if self.layout != "q4" or n % 16 or vnni() != "avx512-vnni":
-            return None
-        groups = k // 32
-        c = self.codes.view(n // 16, 16, groups, 16)  # byte i of a group: weight i | weight i + 16 << 4
-        q = torch.cat([c & 15, c >> 4], dim=-1).view(n // 16, 16, groups, 4, 2, 4)  # [b, r, g, part, half, j]
-        packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [b, g, part, r, j]
+        if (self.layout not in INTERLEAVED or n % 16 or k % 32 or vnni() != "avx512-vnni"
+                or (self.layout == "q8" and self.group not in (16, 32))):
+            return self
+        nb, groups = n // 16, k // self.group
+        if self.layout == "q4":
+            c = self.codes.view(nb, 16, k // 32, 16)  # byte i of a group: weight i | weight i + 16 << 4
+            q = torch.cat([c & 15, c >> 4], dim=-1).view(nb, 16, k // 32, 4, 2, 4)  # [b, r, g, part, half, j]
+            codes = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [b, g, part, r, j]
+        else:
+            codes = (self.codes.view(torch.uint8) ^ 0x80).view(nb, 16, k // 4, 4).permute(0, 2, 1, 3)  # [b, s, r, j]
 
         def by_block(t: torch.Tensor) -> torch.Tensor:
-            return t.view(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # [b, g, r]
-        return Interleaved(packed.view(-1), by_block(self.scales), by_block(self.offsets))
+            return t.view(nb, 16, groups).permute(0, 2, 1).contiguous().view(n, groups)  # [b, g, r]
+        return QuantWeight(INTERLEAVED[self.layout], codes.contiguous().view(self.codes.shape),
+                           by_block(self.scales), by_block(self.offsets), self.group, n, k)
+
+    def plain(self) -> QuantWeight:
+        """This weight in the plain q4 / q8 layout (itself where it is one)."""
+        if self.layout not in ("q4x16", "q8x16"):
+            return self
+        n, k = self.out_features, self.in_features
+        nb, groups = n // 16, k // self.group
+        if self.layout == "q4x16":
+            p = self.codes.view(nb, k // 32, 4, 16, 4).permute(0, 3, 1, 2, 4)  # [b, r, g, part, j]
+            q = torch.stack([p & 15, p >> 4], dim=-2).reshape(nb, 16, k // 32, 32)  # weights in order
+            codes, layout = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2), "q4"
+        else:
+            u = self.codes.view(nb, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)
+            codes, layout = (u ^ 0x80).view(torch.int8), "q8"
+
+        def by_feature(t: torch.Tensor) -> torch.Tensor:
+            return t.view(nb, groups, 16).permute(0, 2, 1).reshape(n, groups)
+        return QuantWeight(layout, codes.contiguous(), by_feature(self.scales).contiguous(),
+                           by_feature(self.offsets).contiguous(), self.group, n, k)
 
     @property
     def nbytes(self) -> int:
@@ -166,10 +199,12 @@ class QuantWeight:
 
     @staticmethod
     def concat(parts: list[QuantWeight]) -> QuantWeight:
-        """Stack weights of one layout and group along the output features (fused q/k/v, gate/up)."""
+        """Stack plain weights of one layout and group along the output features (fused q/k/v, gate/up)."""
         first = parts[0]
         if any((p.layout, p.group, p.in_features) != (first.layout, first.group, first.in_features) for p in parts):
             raise ValueError("only weights of one layout, group and input size can be stacked")
+        if first.layout not in INTERLEAVED:
+            raise ValueError(f"interleaved ({first.layout}) weights cannot be stacked: stack the plain ones")
         return QuantWeight(first.layout, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            torch.cat([p.offsets for p in parts]), first.group,
                            sum(p.out_features for p in parts), first.in_features)
@@ -202,19 +237,18 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
         vl, passes = _vnni_library(), ACTIVATIONS[activations]
         assert vl is not None
         offsets = w.offsets.data_ptr() if w.has_offsets else None
-        il = w.interleaved
-        if il is not None:
-            rc = vl.rl_q4x16_linear_i8(x.data_ptr(), m, w.in_features, il.codes.data_ptr(), il.scales.data_ptr(),
-                                       il.offsets.data_ptr() if w.has_offsets else None, b, y.data_ptr(),
-                                       w.out_features, passes, threads)
+        args = (w.codes.data_ptr(), w.scales.data_ptr(), offsets, b, y.data_ptr(), w.out_features, passes, threads)
+        if w.layout == "q4x16":
+            rc = vl.rl_q4x16_linear_i8(x.data_ptr(), m, w.in_features, *args)
+        elif w.layout == "q8x16":
+            rc = vl.rl_q8x16_linear_i8(x.data_ptr(), m, w.in_features, w.group, *args)
         elif w.layout == "q4":
-            rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
-                                    offsets, b, y.data_ptr(), w.out_features, passes, threads)
+            rc = vl.rl_q4_linear_i8(x.data_ptr(), m, w.in_features, *args)
         else:
-            rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, w.codes.data_ptr(), w.scales.data_ptr(),
-                                    offsets, b, y.data_ptr(), w.out_features, passes, threads)
+            rc = vl.rl_q8_linear_i8(x.data_ptr(), m, w.in_features, w.group, *args)
         if rc == 0:
             return y
+    w = w.plain()  # the float32 kernels read the plain layouts
     lib = _load()
     if w.layout == "q4":
         lib.rl_q4_linear(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
@@ -227,6 +261,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """The float32 weight [out, in] (each element code * scale + offset, rounded once)."""
+    w = w.plain()
     out = torch.empty(w.out_features, w.in_features)
     lib, threads = _load(), torch.get_num_threads()
     if w.layout == "q4":

@@ -51,7 +51,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: qk.QuantWeight, bias: torch.Tensor | None, source_type: str) -> None:
         super().__init__()
-        self.weight_q = weight
+        self.weight_q = weight.interleave()  # the layout this CPU's kernels read fastest
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.source_type = source_type

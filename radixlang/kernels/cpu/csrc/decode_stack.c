@@ -48,17 +48,19 @@ int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_
                     const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
 int rl_q4x16_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
                        const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
+int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *codes, const float *scales,
+                       const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads);
 
-/* One quantized weight (kernels/cpu/quant.py: QuantWeight). int8_rows: up to how many rows it takes int8
- * activations (quant.py: int8_max_rows; 0: never), in `passes` passes, as quant.linear does; offsets is always
- * the full array (the int8 kernel skips it where has_offsets is 0). il_*: the q4 weight interleaved by 16
- * features (QuantWeight.interleaved), or NULL. */
+/* One quantized weight (kernels/cpu/quant.py: QuantWeight). layout: 0 q4, 1 q8, 2 q4x16, 3 q8x16 (interleaved
+ * by 16 features: only the int8 kernels read them; quant.py gives them int8 activations up to 16 rows, the
+ * most a fused step takes).
+ * int8_rows: up to how many rows it takes int8 activations (quant.py: int8_max_rows; 0: never), in `passes`
+ * passes, as quant.linear does; offsets is always the full array (the int8 kernels skip it where has_offsets
+ * is 0). */
 typedef struct {
-    int64_t q4, group, out, in, has_offsets, int8_rows;
+    int64_t layout, group, out, in, has_offsets, int8_rows;
     const void *codes;
     const float *scales, *offsets, *bias;
-    const void *il_codes;
-    const float *il_scales, *il_offsets;
 } rl_qweight;
 
 typedef struct {
@@ -79,28 +81,28 @@ typedef struct {
     float *qkv, *attn, *h, *gu, *act; /* scratch: [m, q + 2 kv], [m, q], [m, hidden], [m, 2 inter], [m, inter] */
 } rl_step;
 
+/* Returns 0, or -1 where an interleaved weight's kernel could not run (no memory for the activations). */
 static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y) {
-    const int nt = (int)s->nthreads;
+    const int nt = (int)s->nthreads, p = (int)s->passes;
+    const float *off = w->has_offsets ? w->offsets : NULL;
+    if (w->layout >= 2)
+        return w->layout == 2 ? rl_q4x16_linear_i8(x, s->m, w->in, w->codes, w->scales, off, w->bias, y, w->out, p, nt)
+                              : rl_q8x16_linear_i8(x, s->m, w->in, w->group, w->codes, w->scales, off, w->bias, y,
+                                                   w->out, p, nt);
     if (s->m <= w->int8_rows) {
-        const float *off = w->has_offsets ? w->offsets : NULL;
-        if (w->il_codes && rl_q4x16_linear_i8(x, s->m, w->in, w->il_codes, w->il_scales,
-                                              w->has_offsets ? w->il_offsets : NULL, w->bias, y, w->out,
-                                              (int)s->passes, nt) == 0)
-            return 0;
-        int rc = w->q4 ? rl_q4_linear_i8(x, s->m, w->in, w->codes, w->scales, off, w->bias, y, w->out,
-                                         (int)s->passes, nt)
-                       : rl_q8_linear_i8(x, s->m, w->in, w->group, w->codes, w->scales, off, w->bias, y, w->out,
-                                         (int)s->passes, nt);
+        int rc = w->layout == 0 ? rl_q4_linear_i8(x, s->m, w->in, w->codes, w->scales, off, w->bias, y, w->out, p, nt)
+                                : rl_q8_linear_i8(x, s->m, w->in, w->group, w->codes, w->scales, off, w->bias, y,
+                                                  w->out, p, nt);
         if (rc == 0) return 0;
     }
-    if (w->q4)
+    if (w->layout == 0)
         rl_q4_linear(x, s->m, w->in, w->codes, w->scales, w->offsets, w->bias, y, w->out, nt);
     else
         rl_q8_linear(x, s->m, w->in, w->group, w->codes, w->scales, w->offsets, w->bias, y, w->out, nt);
     return 0;
 }
 
-/* Returns 0, or -1 when the attention kernel could not allocate its buffers. */
+/* Returns 0, or -1 when a kernel could not allocate its buffers. */
 int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) {
     const int64_t m = s->m, H = s->hidden, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
@@ -114,7 +116,7 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
         } else {
             rl_add_rms_norm(s->x, s->residual, L->ln1, m, H, eps, nt);
         }
-        qlin(s, &L->qkv, s->x, s->qkv);
+        if (qlin(s, &L->qkv, s->x, s->qkv)) return -1;
         for (int64_t i = 0; L->q_norm && i < m; i++) /* in place: the norm reads a head before writing it */
             rl_rms_norm(s->qkv + i * W, d, L->q_norm, s->qkv + i * W, s->heads, d, qk_eps, nt);
         for (int64_t i = 0; L->k_norm && i < m; i++)
@@ -127,11 +129,11 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
                   : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
                                         s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale, nt))
             return -1;
-        qlin(s, &L->o, s->attn, s->h);
+        if (qlin(s, &L->o, s->attn, s->h)) return -1;
         rl_add_rms_norm(s->h, s->residual, L->ln2, m, H, eps, nt);
-        qlin(s, &L->gate_up, s->h, s->gu);
+        if (qlin(s, &L->gate_up, s->h, s->gu)) return -1;
         rl_silu_mul(s->gu, s->act, m, inter, nt);
-        qlin(s, &L->down, s->act, s->x);
+        if (qlin(s, &L->down, s->act, s->x)) return -1;
     }
     return 0;
 }

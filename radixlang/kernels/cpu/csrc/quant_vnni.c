@@ -50,6 +50,7 @@ typedef struct {
     float *sum;      /* [M, Gp] the float32 sum of x over each weight group */
     int32_t *corr;   /* [M, Kp / 4] q8: -128 sum(q1) - sum(q2) of each lane */
     int32_t *corr3;  /* [M, Kp / 4] q8 with three passes: -128 sum(q3) */
+    int32_t *sum16[3]; /* [M, Kp / 16] q8x16: -128 x the sum of each pass's codes over 16 values */
     void *mem;
 } act_t;
 
@@ -64,12 +65,13 @@ static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, i
     a->Kp = (K + 63) / 64 * 64;
     a->Gp = (groups + 15) / 16 * 16;
     const size_t lanes = (size_t)(M * a->Kp / 4), bytes = (size_t)(M * a->Kp);
-    a->mem = calloc(1, lanes * 12 + (size_t)(M * a->Gp) * 4 + 3 * bytes + 64);
+    a->mem = calloc(1, lanes * 12 + lanes * 3 + (size_t)(M * a->Gp) * 4 + 3 * bytes + 64);
     if (!a->mem) return -1;
     a->xs = (float *)a->mem;
     a->corr = (int32_t *)(a->xs + lanes);
     a->corr3 = a->corr + lanes;
-    a->sum = (float *)(a->corr3 + lanes);
+    for (int k = 0; k < 3; k++) a->sum16[k] = a->corr3 + lanes + k * lanes / 4;
+    a->sum = (float *)(a->sum16[2] + lanes / 4);
     for (int k = 0; k < 3; k++) a->xq[k] = (int8_t *)(a->sum + M * a->Gp) + k * bytes;
     const float unit = passes == 1 ? 1.0f : passes == 2 ? 1.0f / 128 : 1.0f / 16384;
     for (int64_t m = 0; m < M; m++) {
@@ -95,7 +97,16 @@ static int act_init(act_t *a, const float *x, int64_t M, int64_t K, int64_t G, i
             }
             for (int64_t l = 0; l < A / 4; l++) xs[g * A / 4 + l] = mx / 127.0f * unit;
         }
-        if (signed_codes) {
+        if (signed_codes == 2) {  /* the q8x16 kernel's correction (see there) */
+            for (int k = 0; k < passes; k++) {
+                const int8_t *q = a->xq[k] + m * a->Kp;
+                for (int64_t c = 0; c < K / 16; c++) {
+                    int32_t t = 0;
+                    for (int j = 0; j < 16; j++) t += q[16 * c + j];
+                    a->sum16[k][m * a->Kp / 16 + c] = -128 * t;
+                }
+            }
+        } else if (signed_codes) {
             int32_t *corr = a->corr + m * a->Kp / 4, *corr3 = a->corr3 + m * a->Kp / 4;
             for (int64_t l = 0; l < K / 4; l++) {
                 corr[l] = -128 * lane_sum(q1 + 4 * l) - (passes >= 2 ? lane_sum(q2 + 4 * l) : 0);
@@ -411,6 +422,88 @@ int rl_q4x16_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *code
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)codes; (void)scales; (void)offsets; (void)bias; (void)y; (void)N;
+    (void)passes; (void)nthreads;
+    return -1;
+#endif
+}
+
+/* q8 codes interleaved by 16 output features (quant.py: QuantWeight.interleave), for AVX512-VNNI.
+ *
+ * As q4x16 above, the 16 lanes of a vector are 16 output features: block b (features 16 b .. 16 b + 15)
+ * holds K / 4 vectors of 64 bytes, one per 4 inputs, in which bytes 4 r .. 4 r + 3 are feature 16 b + r's
+ * codes of those inputs, stored as q + 128 (0..255). So the codes are vpdpbusd's unsigned operand and the
+ * broadcast activation codes its signed one: each product sum is dot(q, x) + 128 sum(x), and the second
+ * term is taken off by starting each group's chain at -128 x the activation codes' sum over the group
+ * (act_t.sum16, made per 16 values). A pass's exact dot over a group of 32 reaches 32 x 127 x 127, so the
+ * passes are combined in float32 (d1 128^2 + d2 128 + d3, one rounding) rather than by shifts. Scales and
+ * offsets are [groups, 16] per block, as for q4x16. Weight groups of 16 (Q6_K) or 32 (Q8_0, Q5_K); the
+ * activations' groups are 32. N % 16 == 0, K % 32 == 0. */
+#if RL_VNNI == 2
+#define PF8_GROUPS 4
+static inline __attribute__((always_inline)) void q8x16_block(const act_t *a, int64_t m0, const int nr, int64_t K,
+                                                              const int64_t G, const int passes, const uint8_t *codes,
+                                                              const float *scales, const float *offsets,
+                                                              const float *bias, float *y, int64_t N, int64_t b) {
+    const int64_t chunks = K / 32, groups = K / G, lanes = a->Kp / 4, per = 32 / G;  /* per: weight groups a chunk */
+    const uint8_t *cb = codes + b * K * 16;
+    const float *sb = scales + b * groups * 16, *ob = offsets ? offsets + b * groups * 16 : NULL;
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i w[8];
+        for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(cb + (c + PF8_GROUPS) * 512 + i * 64), _MM_HINT_T0);
+        for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512(cb + c * 512 + i * 64);
+        for (int r = 0; r < nr; r++) {
+            const int64_t row = m0 + r;
+            const __m512 xs = _mm512_set1_ps(a->xs[row * lanes + c * 8]);
+            for (int h = 0; h < per; h++) {  /* each weight group of the chunk: 8 / per steps of 4 inputs */
+                const int steps = 8 / per, s0 = h * steps;
+                const int64_t at = row * a->Kp / 16 + c * 2 + h * (2 / per);
+                __m512 f = _mm512_setzero_ps();
+                for (int p = 0; p < passes; p++) {
+                    const int32_t *xq = (const int32_t *)(a->xq[p] + row * a->Kp + c * 32);
+                    const int32_t *cs = a->sum16[p] + at;
+                    __m512i d = _mm512_set1_epi32(per == 1 ? cs[0] + cs[1] : cs[0]);
+                    for (int st = s0; st < s0 + steps; st++) d = _mm512_dpbusd_epi32(d, w[st], _mm512_set1_epi32(xq[st]));
+                    f = p ? _mm512_fmadd_ps(f, _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(d)) : _mm512_cvtepi32_ps(d);
+                }
+                const int64_t g = c * per + h;
+                acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_loadu_ps(sb + g * 16), xs), acc[r]);
+                if (ob) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(ob + g * 16), _mm512_set1_ps(a->sum[row * a->Gp + g]), acc[r]);
+            }
+        }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(y + (m0 + r) * N + b * 16, _mm512_add_ps(acc[r], bv));
+}
+#endif
+
+int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *codes, const float *scales,
+                       const float *offsets, const float *bias, float *y, int64_t N, int passes, int nthreads) {
+#if RL_VNNI == 2
+    if (K % 32 || N % 16 || (G != 16 && G != 32) || passes < 1 || passes > 3) return -1;
+    act_t a;
+    if (act_init(&a, x, M, K, G, 2, passes)) return -1;
+    const int64_t blocks = N / 16;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m = 0; m < M; m += MAX_ROWS) {
+            const int nr = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
+            switch (((G == 16) * 3 + passes - 1) * 4 + nr - 1) {
+#define BLOCK(g, p, r) \
+    case (((g) == 16) * 3 + (p) - 1) * 4 + (r) - 1: \
+        q8x16_block(&a, m, r, K, g, p, codes, scales, offsets, bias, y, N, b); break;
+#define BLOCKS(g, p) BLOCK(g, p, 1) BLOCK(g, p, 2) BLOCK(g, p, 3) BLOCK(g, p, 4)
+                BLOCKS(32, 1) BLOCKS(32, 2) BLOCKS(32, 3) BLOCKS(16, 1) BLOCKS(16, 2) BLOCKS(16, 3)
+#undef BLOCKS
+#undef BLOCK
+            }
+        }
+    }
+    free(a.mem);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)G; (void)codes; (void)scales; (void)offsets; (void)bias; (void)y; (void)N;
     (void)passes; (void)nthreads;
     return -1;
 #endif
