@@ -129,7 +129,7 @@ def test_interleaved_kernels_match_the_plain_ones_and_the_bound(layout, offsets)
             w, ref = _no_offsets((w, ref))
         il = w.interleave()
         assert il.layout == w.layout[:2] + "x16" and il.nbytes == w.nbytes  # one copy of the codes, reordered
-        for m in (1, 2, 3, 5, 16):
+        for m in (1, 2, 3, 5, 8, 9, 16):  # blocks of up to 8 rows: full, partial, and a one-row tail
             x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
             x[:, int(torch.randint(0, k, (1,), generator=g))] *= 40
             bias = torch.randn(n, generator=g)
@@ -138,6 +138,10 @@ def test_interleaved_kernels_match_the_plain_ones_and_the_bound(layout, offsets)
             for activations, passes in PASSES.items():
                 got = qk.linear(x, il, bias, activations=activations).double()
                 assert ((got - want).abs() <= _bound(x, ref, passes) + 1e-5 * scale + 1e-5).all(), (n, k, m)
+                # a row's numbers do not depend on the rows beside it (a decode and a speculative verify of
+                # the same position must pick the same token)
+                alone = torch.cat([qk.linear(x[i:i + 1], il, bias, activations=activations) for i in (0, m - 1)])
+                assert torch.equal(got[[0, m - 1]], alone.double()), (n, k, m, activations)
                 other = qk.linear(x, w, bias, activations=activations).double()
                 torch.testing.assert_close(got, other, rtol=1e-5, atol=1e-5 * scale.max().item())
             # float32 activations read the plain layout again: the float32 kernel's numbers

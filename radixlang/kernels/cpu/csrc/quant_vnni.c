@@ -356,6 +356,7 @@ int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_
  * kernel above up to the order of the float32 sums over groups. N % 16 == 0, K % 32 == 0. */
 #if RL_VNNI == 2
 #define PF_GROUPS 8
+#define X16_MAX_ROWS 8  /* rows a pass over an interleaved block takes (a speculative verify's 5 in one) */
 static inline __attribute__((always_inline)) void q4x16_block(const act_t *a, int64_t m0, const int nr, int64_t K,
                                                               const int passes, const uint8_t *codes,
                                                               const float *scales, const float *offsets,
@@ -364,7 +365,7 @@ static inline __attribute__((always_inline)) void q4x16_block(const act_t *a, in
     const uint8_t *cb = codes + b * groups * 256;
     const float *sb = scales + b * groups * 16, *ob = offsets ? offsets + b * groups * 16 : NULL;
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[MAX_ROWS];
+    __m512 acc[X16_MAX_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512i w[8];
@@ -383,7 +384,16 @@ static inline __attribute__((always_inline)) void q4x16_block(const act_t *a, in
             for (int p = 0; p < passes; p++) {
                 const int32_t *xq = (const int32_t *)(a->xq[p] + row * a->Kp + g * 32);
                 d[p] = _mm512_setzero_si512();
-                for (int st = 0; st < 8; st++) d[p] = _mm512_dpbusd_epi32(d[p], w[st], _mm512_set1_epi32(xq[st]));
+                if (nr * passes < 6) {  /* few chains: two per pass hide vpdpbusd's latency (exact: int32 sums) */
+                    __m512i e = _mm512_setzero_si512();
+                    for (int st = 0; st < 8; st += 2) {
+                        d[p] = _mm512_dpbusd_epi32(d[p], w[st], _mm512_set1_epi32(xq[st]));
+                        e = _mm512_dpbusd_epi32(e, w[st + 1], _mm512_set1_epi32(xq[st + 1]));
+                    }
+                    d[p] = _mm512_add_epi32(d[p], e);
+                } else {
+                    for (int st = 0; st < 8; st++) d[p] = _mm512_dpbusd_epi32(d[p], w[st], _mm512_set1_epi32(xq[st]));
+                }
             }
             __m512i t = d[0];
             for (int p = 1; p < passes; p++) t = _mm512_add_epi32(_mm512_slli_epi32(t, 7), d[p]);
@@ -406,12 +416,13 @@ int rl_q4x16_linear_i8(const float *x, int64_t M, int64_t K, const uint8_t *code
     const int64_t blocks = N / 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m = 0; m < M; m += MAX_ROWS) {
-            const int nr = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
-            switch ((passes - 1) * 4 + nr - 1) {
+        for (int64_t m = 0; m < M; m += X16_MAX_ROWS) {
+            const int nr = M - m < X16_MAX_ROWS ? (int)(M - m) : X16_MAX_ROWS;
+            switch ((passes - 1) * 8 + nr - 1) {
 #define BLOCK(p, r) \
-    case ((p) - 1) * 4 + (r) - 1: q4x16_block(&a, m, r, K, p, codes, scales, offsets, bias, y, N, b); break;
-#define BLOCKS(p) BLOCK(p, 1) BLOCK(p, 2) BLOCK(p, 3) BLOCK(p, 4)
+    case ((p) - 1) * 8 + (r) - 1: q4x16_block(&a, m, r, K, p, codes, scales, offsets, bias, y, N, b); break;
+#define BLOCKS(p) BLOCK(p, 1) BLOCK(p, 2) BLOCK(p, 3) BLOCK(p, 4) BLOCK(p, 5) BLOCK(p, 6) BLOCK(p, 7) \
+    BLOCK(p, 8)
                 BLOCKS(1) BLOCKS(2) BLOCKS(3)
 #undef BLOCKS
 #undef BLOCK
@@ -447,7 +458,7 @@ static inline __attribute__((always_inline)) void q8x16_block(const act_t *a, in
     const int64_t chunks = K / 32, groups = K / G, lanes = a->Kp / 4, per = 32 / G;  /* per: weight groups a chunk */
     const uint8_t *cb = codes + b * K * 16;
     const float *sb = scales + b * groups * 16, *ob = offsets ? offsets + b * groups * 16 : NULL;
-    __m512 acc[MAX_ROWS];
+    __m512 acc[X16_MAX_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         __m512i w[8];
@@ -464,7 +475,16 @@ static inline __attribute__((always_inline)) void q8x16_block(const act_t *a, in
                     const int32_t *xq = (const int32_t *)(a->xq[p] + row * a->Kp + c * 32);
                     const int32_t *cs = a->sum16[p] + at;
                     __m512i d = _mm512_set1_epi32(per == 1 ? cs[0] + cs[1] : cs[0]);
-                    for (int st = s0; st < s0 + steps; st++) d = _mm512_dpbusd_epi32(d, w[st], _mm512_set1_epi32(xq[st]));
+                    if (nr * passes < 6) {  /* as in q4x16_block: two chains when there are few */
+                        __m512i e = _mm512_setzero_si512();
+                        for (int st = s0; st < s0 + steps; st += 2) {
+                            d = _mm512_dpbusd_epi32(d, w[st], _mm512_set1_epi32(xq[st]));
+                            e = _mm512_dpbusd_epi32(e, w[st + 1], _mm512_set1_epi32(xq[st + 1]));
+                        }
+                        d = _mm512_add_epi32(d, e);
+                    } else {
+                        for (int st = s0; st < s0 + steps; st++) d = _mm512_dpbusd_epi32(d, w[st], _mm512_set1_epi32(xq[st]));
+                    }
                     f = p ? _mm512_fmadd_ps(f, _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(d)) : _mm512_cvtepi32_ps(d);
                 }
                 const int64_t g = c * per + h;
@@ -487,13 +507,14 @@ int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const ui
     const int64_t blocks = N / 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m = 0; m < M; m += MAX_ROWS) {
-            const int nr = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
-            switch (((G == 16) * 3 + passes - 1) * 4 + nr - 1) {
+        for (int64_t m = 0; m < M; m += X16_MAX_ROWS) {
+            const int nr = M - m < X16_MAX_ROWS ? (int)(M - m) : X16_MAX_ROWS;
+            switch (((G == 16) * 3 + passes - 1) * 8 + nr - 1) {
 #define BLOCK(g, p, r) \
-    case (((g) == 16) * 3 + (p) - 1) * 4 + (r) - 1: \
+    case (((g) == 16) * 3 + (p) - 1) * 8 + (r) - 1: \
         q8x16_block(&a, m, r, K, g, p, codes, scales, offsets, bias, y, N, b); break;
-#define BLOCKS(g, p) BLOCK(g, p, 1) BLOCK(g, p, 2) BLOCK(g, p, 3) BLOCK(g, p, 4)
+#define BLOCKS(g, p) BLOCK(g, p, 1) BLOCK(g, p, 2) BLOCK(g, p, 3) BLOCK(g, p, 4) BLOCK(g, p, 5) BLOCK(g, p, 6) \
+    BLOCK(g, p, 7) BLOCK(g, p, 8)
                 BLOCKS(32, 1) BLOCKS(32, 2) BLOCKS(32, 3) BLOCKS(16, 1) BLOCKS(16, 2) BLOCKS(16, 3)
 #undef BLOCKS
 #undef BLOCK
