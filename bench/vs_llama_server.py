@@ -226,7 +226,8 @@ def _chart(results: dict[str, dict[str, Any]]) -> None:
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], list(results))
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_ylabel("speed relative to llama-server")
+    ax.set_yscale("log")  # shared_prefix is ~20x, single ~1-2x: a linear axis flattens the rest
+    ax.set_ylabel("speed relative to llama-server (log)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "vs_llama_server.png", dpi=120)
