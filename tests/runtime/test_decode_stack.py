@@ -1,7 +1,8 @@
 """The fused decode step (models/decode_stack.py) gives the layer-by-layer path's tokens and logprobs.
 
 Each family runs the same requests twice in one Engine, with the fused step and with it switched off:
-batch 1 and 2 (int8 activations), batch 5 (float32 activations), and again over a cached prefix.
+batch 1 and 2 (int8 activations), batch 5 (float32 activations), and again over a cached prefix; the same
+on float32 weights (the C small-row kernel's row counts).
 """
 from __future__ import annotations
 
@@ -92,12 +93,55 @@ def test_fused_decode_refuses_what_it_cannot_run(family, reason, tmp_path):
 
 
 @pytest.mark.e2e
-def test_fused_decode_needs_quantized_linears(tiny_model_dir):
+def test_fused_decode_on_float32_weights(family_dir):
+    """A float32 model (packed linears with their row-major copy) takes the fused step for the row counts
+    whose small-row matmul is the C kernel, with the layer-by-layer path's tokens and logprobs; other row
+    counts (here 5, and 3 once calibration picked another kernel for it) run layer by layer."""
     from radixlang import Engine
-    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024) as engine:
+    from radixlang.runtime.models.decode_stack import DecodeStack
+    from radixlang.runtime.models.packed import PackedLinear
+    with Engine(model_path=family_dir, dtype="float32", max_total_tokens=4096) as engine:
+        model = engine.scheduler.runner.model
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not model.lm_head]
+        assert packed and all(m.plain is not None for m in packed)
+        for m in packed:  # as calibration would leave them where the C kernel wins (it is skipped on tiny models)
+            m.small_kernels = ["c"] * len(m.small_kernels)
+        packed[0].small_kernels[3] = "aten"  # one linear calibrated faster elsewhere at 3 rows
+        model.decode_stack = stack = DecodeStack.build(model)
+        assert stack is not None and stack.float32 and stack.rows == {1, 2, 4}, why_not(model)
+        taken = []
+        forward = stack.forward
+
+        def counted(ids, pos, fb):
+            hidden = forward(ids, pos, fb)
+            taken.append((ids.numel(), hidden is not None))
+            return hidden
+        stack.forward = counted
+        batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS[:3], PROMPTS]
+        fused = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]  # the last over cached prefixes
+        assert {(1, True), (2, True), (3, False), (5, False)} <= set(taken)
+        assert sum(ok for _, ok in taken) >= 3 * (GREEDY["max_new_tokens"] - 1)
+        model.decode_stack = None
+        engine.flush_cache()
+        plain = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]
+        engine.check_memory_leak()
+        for m in packed:
+            m.small_kernels = ["aten"] * len(m.small_kernels)
+        assert "small-row kernel" in why_not(model)
+    for fb, pb in zip(fused, plain):
+        for (ft, fl), (pt, pl) in zip(fb, pb):
+            assert ft == pt
+            assert max(abs(a - b) for a, b in zip(fl, pl)) < 1e-4
+
+
+@pytest.mark.e2e
+def test_fused_decode_needs_quantized_or_packed_linears(tiny_model_dir):
+    from radixlang import Engine
+    with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024,
+                disable_weight_packing=True) as engine:
         model = engine.scheduler.runner.model
         assert model.decode_stack is None
-        assert "not quantized" in why_not(model)
+        assert "not quantized or packed float32" in why_not(model)
 
 
 @pytest.mark.e2e

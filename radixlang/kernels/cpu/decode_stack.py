@@ -1,8 +1,9 @@
-"""A whole decode step over quantized weights in one C call (csrc/decode_stack.c), through ctypes.
+"""A whole decode step over quantized or float32 weights in one C call (csrc/decode_stack.c), through ctypes.
 
 The library links decode_stack.c with cpu_ops.c, quant_ops.c and quant_vnni.c, and runs their kernels
 layer after layer as the Python layers would call them (see the C header for the order). ``Layer`` and
-``Step`` mirror the C structs; ``QWeight.of`` describes a ``QuantWeight``. The C code trusts every
+``Step`` mirror the C structs; ``QWeight.of`` describes a ``QuantWeight``, ``QWeight.of_float`` a
+row-major float32 weight (run by cpu_ops.c's small-row ``rl_linear``). The C code trusts every
 pointer and size: the caller (runtime/models/decode_stack.py) checks the step's shapes, dtypes and index
 ranges before ``run``.
 """
@@ -21,6 +22,7 @@ from radixlang.kernels.cpu.build import (DECODE_STACK_SOURCE, QUANT_SOURCE, QUAN
 logger = logging.getLogger(__name__)
 
 _P, _I64, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+FLOAT32_LAYOUT = len(qk.LAYOUTS)  # after the quantized layouts: a float32 weight (decode_stack.c: qlin)
 
 
 class QWeight(ctypes.Structure):
@@ -34,6 +36,17 @@ class QWeight(ctypes.Structure):
             raise ValueError(f"bias must be contiguous float32 [{w.out_features}]")
         return QWeight(qk.LAYOUTS.index(w.layout), w.group, w.out_features, w.in_features, w.has_offsets,
                        qk.int8_max_rows(w), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
+                       None if bias is None else bias.data_ptr())
+
+    @staticmethod
+    def of_float(weight: torch.Tensor, bias: torch.Tensor | None) -> QWeight:
+        n, k = weight.shape
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError(f"a float32 weight must be contiguous float32 [out, in], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
+        return QWeight(FLOAT32_LAYOUT, 0, n, k, 0, 0, weight.data_ptr(), None, None,
                        None if bias is None else bias.data_ptr())
 
 

@@ -93,7 +93,7 @@ class ModelRunner:
             logger.info("packed %d linear layers into oneDNN's layout", packed)
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
-            if args.quantization and hasattr(self.model, "decode_stack"):
+            if hasattr(self.model, "decode_stack"):
                 self.model.decode_stack = DecodeStack.build(self.model)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)

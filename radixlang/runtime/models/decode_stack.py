@@ -1,4 +1,4 @@
-"""A decode step of a quantized Llama-family model in one compiled call (kernels/cpu/decode_stack.py).
+"""A decode step of a quantized (or float32) Llama-family model in one compiled call (kernels/cpu/decode_stack.py).
 
 A batch-1 decode step of the embedded SmolLM2 GGUF spent ~10 ms per token, of which the q4/q8 matmuls
 took ~6: the rest was the ~10 small ops per layer crossing from Python into their kernels (views,
@@ -10,7 +10,10 @@ backend other than the CPU kernels'), which the layers run as before.
 It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms and q/k/v
 biases) on QuantLinear weights, with the compiled norms and rotary, and no sliding window,
 soft-capping or sinks: Llama, SmolLM, Mistral without a window, Qwen2, Qwen3 served from a quantized
-GGUF or with ``--quantization int4``. ``build`` says why not otherwise (logged once at load).
+GGUF or with ``--quantization int4``; and on float32 PackedLinears with their row-major copy (the default
+float32 CPU path) for the 1-4 row steps whose small-row matmul is the C kernel (``float32_rows``: the
+step calls that kernel; where calibration picked another, those steps run layer by layer). ``build`` says
+why not otherwise (logged once at load).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from radixlang.kernels.cpu import decode_stack as ds
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_quant import KERNEL_MAX_ROWS, QuantLinear
 from radixlang.runtime.models.layers.norm import RMSNorm
+from radixlang.runtime.models.packed import SMALL_ROWS, PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ def why_not(model: Any) -> str | None:
         return "tensor parallelism"
     if not getattr(model, "cpu_kernels", False) or getattr(model, "num_rope_tables", 1) != 1:
         return "the compiled norms and rotary are off, or layers use several rotary tables"
-    shapes, scales, qk_norms = set(), set(), set()
+    shapes, scales, qk_norms, kinds = set(), set(), set(), set()
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer).forward is not DecoderLayer.forward
@@ -55,19 +59,42 @@ def why_not(model: Any) -> str | None:
         if any(type(n) is not RMSNorm or not n.fused for n in norms):
             return f"layer {i}'s norms are not the compiled RMSNorm"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(lin, QuantLinear) for lin in linears):
-            return f"layer {i} has linears that are not quantized ({', '.join(type(x).__name__ for x in linears)})"
+        kinds.add("quantized" if all(isinstance(lin, QuantLinear) for lin in linears) else
+                  "float32" if all(_float32_small(lin) for lin in linears) else
+                  f"layer {i} has linears that are not quantized or packed float32 with a row-major copy "
+                  f"({', '.join(type(x).__name__ for x in linears)})")
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         scales.add(attn.scaling)
         qk_norms.add(attn.qk_norm)
     if not shapes:
         return "the model has no layers"
+    for kind in kinds:
+        if kind not in ("quantized", "float32"):
+            return kind
+    if len(kinds) != 1:
+        return "some layers are quantized and some float32"
+    if kinds == {"float32"} and not float32_rows(model):
+        return "the float32 linears' small-row kernel is not the C one for any row count (calibrated faster)"
     if len(shapes) != 1 or len(scales) != 1 or len(qk_norms) != 1:
         return "the layers differ in heads, head size, scaling or q/k norms"
     heads, kv_heads, _ = next(iter(shapes))
     if heads % kv_heads:
         return "query heads are not a multiple of kv heads"
     return None
+
+
+def _float32_small(lin: Any) -> bool:
+    return isinstance(lin, PackedLinear) and lin.plain is not None and lin.dtype == torch.float32
+
+
+def float32_rows(model: Any) -> set[int]:
+    """The row counts a float32 model's fused step takes: those whose small-row matmul is the C kernel
+    (``rl_linear``, which the step calls) for every linear of every layer (packed.calibrate_small_rows_)."""
+    rows = set(range(1, SMALL_ROWS + 1))
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            rows &= {m for m in range(1, SMALL_ROWS + 1) if lin.small_kernels[m] == "c"}
+    return rows
 
 
 class DecodeStack:
@@ -82,6 +109,11 @@ class DecodeStack:
         self._pool: Any = None  # the KV pool _layers points into (its buffers are made once, with it)
         self._layers: Any = None
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        first = model.layers[0].self_attn.qkv_proj
+        self.float32 = not isinstance(first, QuantLinear)
+        # rows a step may have: up to KERNEL_MAX_ROWS on quantized weights; on float32 ones, the row counts
+        # whose small-row matmul is the C kernel (more rows are the packed oneDNN matmul's)
+        self.rows = float32_rows(model) if self.float32 else set(range(1, KERNEL_MAX_ROWS + 1))
 
     @classmethod
     def build(cls, model: Any) -> DecodeStack | None:
@@ -89,9 +121,11 @@ class DecodeStack:
         if reason is not None:
             logger.info("decode steps run layer by layer (the fused decode step does not apply: %s)", reason)
             return None
-        logger.info("decode steps of up to %d rows run as one compiled call over the quantized layers",
-                    KERNEL_MAX_ROWS)
-        return cls(model)
+        stack = cls(model)
+        logger.info("decode steps of %s rows run as one compiled call over the %s layers",
+                    ", ".join(map(str, sorted(stack.rows))) if stack.float32 else f"up to {KERNEL_MAX_ROWS}",
+                    "float32" if stack.float32 else "quantized")
+        return stack
 
     def _layer_array(self, pool: Any) -> Any:
         """The C layer structs for this KV pool (made on its first step)."""
@@ -110,7 +144,8 @@ class DecodeStack:
             arr[i] = ds.Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                               attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
                               attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
-                              *(ds.QWeight.of(lin.weight_q, lin.bias)
+                              *(ds.QWeight.of_float(lin.plain, lin.bias) if self.float32 else
+                                ds.QWeight.of(lin.weight_q, lin.bias)
                                 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                               k.data_ptr(), v.data_ptr())
         self._pool, self._layers = pool, arr
@@ -127,11 +162,11 @@ class DecodeStack:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor | None:
         """The hidden states after the final norm, [m, hidden]; None where this step is not one it takes
-        (more than KERNEL_MAX_ROWS tokens, another attention backend, an extend the extend kernel does not
+        (a row count not in ``rows``, another attention backend, an extend the extend kernel does not
         take)."""
         m = input_ids.numel()
         backend = forward_batch.attn_backend
-        if not 0 < m <= KERNEL_MAX_ROWS or type(backend) is not CpuAttnBackend:
+        if m not in self.rows or type(backend) is not CpuAttnBackend:
             return None
         if forward_batch.forward_mode.is_decode():
             (req_idx, seq_lens), extend = backend.decode_metadata(), None

@@ -1,4 +1,4 @@
-/* A whole decode step of a Llama-family decoder on quantized weights, every layer in one call.
+/* A whole decode step of a Llama-family decoder on quantized (or float32) weights, every layer in one call.
  *
  * At batch 1 a step of a small model is mostly fixed costs: each of the ~10 ops of a layer crossed from
  * Python into a kernel with its own checks, views and allocations, ~100 us a layer against ~150 us of
@@ -34,6 +34,8 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *q_start, const int64_t *prefix_len, const int64_t *ext_len, float *out,
                         int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int nthreads);
+void rl_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+               int nthreads);
 int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *seq_lens, float *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
@@ -53,7 +55,8 @@ int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const ui
 
 /* One quantized weight (kernels/cpu/quant.py: QuantWeight). layout: 0 q4, 1 q8, 2 q4x16, 3 q8x16 (interleaved
  * by 16 features: only the int8 kernels read them; quant.py gives them int8 activations up to 16 rows, the
- * most a fused step takes).
+ * most a fused step takes); 4: a float32 weight [out, in] row-major in `codes` (cpu_ops.c: rl_linear, the
+ * small-row kernel a float32 PackedLinear runs; no scales or offsets).
  * int8_rows: up to how many rows it takes int8 activations (quant.py: int8_max_rows; 0: never), in `passes`
  * passes, as quant.linear does; offsets is always the full array (the int8 kernels skip it where has_offsets
  * is 0). */
@@ -85,6 +88,10 @@ typedef struct {
 static int qlin(const rl_step *s, const rl_qweight *w, const float *x, float *y) {
     const int nt = (int)s->nthreads, p = (int)s->passes;
     const float *off = w->has_offsets ? w->offsets : NULL;
+    if (w->layout == 4) {
+        rl_linear(x, (const float *)w->codes, w->bias, y, s->m, w->out, w->in, nt);
+        return 0;
+    }
     if (w->layout >= 2)
         return w->layout == 2 ? rl_q4x16_linear_i8(x, s->m, w->in, w->codes, w->scales, off, w->bias, y, w->out, p, nt)
                               : rl_q8x16_linear_i8(x, s->m, w->in, w->group, w->codes, w->scales, off, w->bias, y,
