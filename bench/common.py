@@ -23,7 +23,15 @@ def timed(fn, *args, **kwargs):
 
 
 def load_hf(folder: str):
+    """transformers' model in float32 from a checkpoint folder, or, for a converted GGUF's folder (config and
+    tokenizer only), from the GGUF file it names, through transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM
+
+    from radixlang.runtime.models.gguf_convert import gguf_of_folder
+    gguf_path = gguf_of_folder(folder)
+    if gguf_path is not None:
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                    dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 

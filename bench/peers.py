@@ -132,10 +132,11 @@ class OutlinesBackend(Backend):
 
     def __init__(self, model_dir: str) -> None:
         import outlines
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from bench.common import load_hf
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = load_hf(model_dir)
         self.model = outlines.from_transformers(hf, self.tokenizer)
         self.model_dir = model_dir
         self._lock = threading.Lock()

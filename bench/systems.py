@@ -54,10 +54,12 @@ class TransformersBackend(Backend):
     (the runner reports that workload as an error row for this system)."""
 
     def __init__(self, folder: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from bench.common import load_hf
         self.folder = folder
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = load_hf(folder)
         self._lock = threading.Lock()  # one forward at a time: the baseline serves one request at a time
         self._counters = Counters()
 

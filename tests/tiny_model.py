@@ -5,14 +5,26 @@ import json
 import os
 import shutil
 
-from radixlang.runtime.models.loader import resolve_model_dir
+from radixlang.runtime.models.loader import default_model_path, resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def smollm_dir() -> str:
-    """The converted SmolLM2-135M-Instruct folder (converted once, then cached)."""
+    """The converted SmolLM2-135M-Instruct folder (converted once, then cached): config and tokenizer;
+    loading it reads the weights from the embedded GGUF."""
     return resolve_model_dir(None)
+
+
+def smollm_hf_model():
+    """transformers' own SmolLM2-135M-Instruct in float32, read from the embedded GGUF by transformers'
+    GGUF loader (the converted folder holds no weights for it to read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
 
 
 def make_tiny_model_dir(path: str, *, num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -109,6 +121,22 @@ FAMILIES = {
                                           rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                            "original_max_position_embeddings": 512,
                                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
+}
+
+# DeepSeek-V2 / V3 (tests/runtime/test_deepseek.py against transformers, tests/e2e/test_tensor_parallel_families.py
+# tp=2 against tp=1): multi-head latent attention over the 6 heads, a dense first layer then MoE layers with a
+# shared expert, more experts than top-k over 3 groups, q_lora_rank on V3 and none on V2, yarn on V2
+MLA = dict(num_key_value_heads=6, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=24,
+           n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=3, topk_group=2)
+MLA_FAMILIES = {
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        MLA, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 512,
+                         "beta_fast": 32.0, "beta_slow": 1.0})),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=24, norm_topk_prob=True,
+                                                  routed_scaling_factor=2.5)),
 }
 
 TINY_HF_CONFIG = dict(vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=3,

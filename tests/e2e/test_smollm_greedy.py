@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixlang import Engine
+from tiny_model import smollm_hf_model
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 
 
-def test_greedy_matches_transformers(smollm_path):
-    hf = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).eval()
+def test_greedy_matches_transformers():
+    hf = smollm_hf_model()
     with Engine(max_total_tokens=4096) as engine:
         outs = engine.generate(PROMPTS, {"max_new_tokens": 32, "temperature": 0})
         engine.check_memory_leak()

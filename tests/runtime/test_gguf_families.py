@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.gguf_convert import hf_tensor_name
+from radixlang.runtime.models.gguf_weights import hf_tensor_name
 from radixlang.runtime.models.loader import default_model_path, load_model
 from test_model_families import PROMPTS, _hf_logprobs
 from test_models import _run_ours
@@ -67,8 +67,21 @@ def _gguf_tensors(checkpoint: dict[str, torch.Tensor], cfg, arch: str, f16: bool
     return [(n, a.astype(np.float16) if f16 and a.ndim >= 2 else a) for n, a in out]
 
 
+def add_smollm_tokenizer(w) -> None:
+    """The embedded SmolLM2 GGUF's tokenizer fields, copied into a GGUFWriter."""
+    import gguf
+    src = gguf.GGUFReader(default_model_path())
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            if field.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), field.types[0])
+
+
 def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quant: dict | None = None) -> None:
-    """``quant``: {GGUF tensor kind (attn_q, ffn_down, ...): GGMLQuantizationType} for blocks' matrices."""
+    """``quant``: {GGUF tensor kind (attn_q, ffn_down, ..., output, token_embd): GGMLQuantizationType} for
+    matrices stored as blocks."""
     import gguf
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(hf_folder)
@@ -111,19 +124,14 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    src = gguf.GGUFReader(default_model_path())
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            if field.types[0] == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
-            else:
-                w.add_key_value(key, field.contents(), field.types[0])
+    add_smollm_tokenizer(w)
     from safetensors.torch import load_file
     checkpoint = load_file(os.path.join(hf_folder, "model.safetensors"))  # transformers' saved names
     for gname, arr in _gguf_tensors(checkpoint, cfg, arch, f16):
         want = hf_tensor_name(gname, arch, n_experts or 0)
         assert want.format(e=0) in checkpoint, (gname, want)
-        qtype = (quant or {}).get(gname.split(".")[2]) if gname.startswith("blk.") and arr.ndim == 2 else None
+        key = gname.split(".")[2] if gname.startswith("blk.") else gname.split(".")[0]
+        qtype = (quant or {}).get(key) if arr.ndim == 2 else None
         if qtype is None:
             w.add_tensor(gname, np.ascontiguousarray(arr))
         else:
@@ -231,31 +239,62 @@ def test_gguf_architecture_we_cannot_map_is_named(tmp_path, monkeypatch):
         load_model(path)
 
 
-def test_gguf_conversion_dequantizes_one_tensor_at_a_time(tmp_path, monkeypatch):
-    """The converted safetensors file is written tensor by tensor: when a tensor is dequantized, no
-    earlier one is still held (collecting them all first keeps the whole float32 model in memory)."""
-    import gc
+def test_gguf_weights_are_read_one_tensor_at_a_time_from_the_file(tmp_path, monkeypatch):
+    """No converted copy of the weights is written (the cached folder holds the config and tokenizer),
+    and the weights are dequantized from the GGUF file as they are copied: when a tensor is dequantized,
+    at most the one before it (still being copied) is alive; collecting them first would hold the whole
+    float32 model. Stacked experts are read one expert at a time."""
     import weakref
 
-    from radixlang.runtime.models import gguf_convert
+    from radixlang.runtime.models import gguf_weights
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2MoeForCausalLM", seed=3,
+                                **MORE_FAMILIES["qwen2_moe"][3])
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(folder, path, "qwen2moe")
+    real, made, held, shapes = gguf_weights.dequantize_tensor, [], [], []
+
+    def tracking(t, data=None):  # arrays are freed by reference counting: no gc.collect needed
+        held.append(sum(r() is not None for r in made))
+        arr = real(t, data)
+        made.append(weakref.ref(arr))
+        shapes.append(arr.shape)
+        return arr
+
+    monkeypatch.setattr(gguf_weights, "dequantize_tensor", tracking)
+    model = load_model(path).model
+    assert len(made) > 40 and max(held) <= 1, held
+    assert (32, 96) in shapes and not any(len(s) == 3 for s in shapes)  # experts [6, 32, 96] one by one
+    cached = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache") for f in fs]
+    assert cached and not any(f.endswith((".safetensors", ".bin")) for f in cached), cached
+    assert sum(os.path.getsize(f) for f in cached) < os.path.getsize(path)
+    from safetensors.torch import load_file
+    ref = load_file(os.path.join(folder, "model.safetensors"))  # the checkpoint's own names
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, ref["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(model.layers[0].mlp.experts.w2[4], ref["model.layers.0.mlp.experts.4.down_proj.weight"])
+
+
+def test_a_cached_folder_of_the_earlier_design_is_not_used(tmp_path, monkeypatch):
+    """Folders of the float32-safetensors design have another key: a start writes its own folder and
+    never reads theirs; a converted folder passed as the model path reads its GGUF file."""
+    from radixlang.runtime.models.gguf_convert import converted_dir_for
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2ForCausalLM", seed=3)
     monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     _write_gguf(folder, path, "qwen2")
-    real, made, held = gguf_convert.dequantize_tensor, [], []
-
-    def tracking(t):
-        gc.collect()
-        held.append(sum(r() is not None for r in made))
-        arr = real(t)
-        made.append(weakref.ref(arr))
-        return arr
-
-    monkeypatch.setattr(gguf_convert, "dequantize_tensor", tracking)
-    model = load_model(path).model
-    assert len(made) > 20 and max(held) <= 1, held
+    st = os.stat(path)
+    import hashlib
+    old_key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}|v2".encode()).hexdigest()[:16]
+    old = tmp_path / "cache" / f"tiny-{old_key}"
+    old.mkdir(parents=True)
+    (old / "complete").write_text("ok")  # an old folder whose weights are garbage
+    (old / "config.json").write_text("{}")
+    loaded = load_model(path)
+    assert loaded.model_path == path and str(converted_dir_for(path)) != str(old)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-    assert torch.equal(model.layers[2].mlp.down_proj.weight, ref["model.layers.2.mlp.down_proj.weight"])
+    assert torch.equal(loaded.model.layers[2].mlp.down_proj.weight, ref["model.layers.2.mlp.down_proj.weight"])
+    again = load_model(str(converted_dir_for(path))).model
+    assert torch.equal(again.layers[2].mlp.down_proj.weight, ref["model.layers.2.mlp.down_proj.weight"])
 
 
 @pytest.mark.e2e

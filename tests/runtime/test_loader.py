@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.gguf_convert import _unpermute, converted_dir_for
+from radixlang.runtime.models.gguf_convert import converted_dir_for
+from radixlang.runtime.models.gguf_weights import _unpermute
 from radixlang.runtime.models.loader import default_model_path, load_model, resolve_model_dir
 from test_models import _run_ours
-from tiny_model import make_tiny_model_dir, make_tiny_safetensors_dir
+from tiny_model import make_tiny_model_dir, make_tiny_safetensors_dir, smollm_hf_model
 
 IDS = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3] * 5  # 50 positions: long enough for RoPE scaling to matter
 
@@ -101,13 +102,17 @@ def test_gguf_conversion_is_cached_with_smollm_config(smollm_path):
                                                                    tokenize=False)
 
 
-def test_converted_weights_equal_transformers_gguf_loading(smollm_path):
-    gguf = default_model_path()
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                               dtype=torch.float32).state_dict()
-    ours = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).state_dict()
-    for name, tensor in ours.items():
-        assert torch.allclose(tensor, ref[name], atol=1e-6), name
+def test_gguf_weights_equal_transformers_gguf_loading(smollm_path):
+    """The converted folder holds no weights (config and tokenizer only); loading it, or the GGUF file,
+    reads the file's tensors: the weights transformers' own GGUF loader gives."""
+    from test_models import _ours_to_hf_state
+    assert not [f for f in os.listdir(smollm_path) if f.endswith((".safetensors", ".bin"))]
+    ref = smollm_hf_model().state_dict()
+    for path in (smollm_path, default_model_path()):
+        ours = _ours_to_hf_state(load_model(path).model)
+        assert len(ours) == len(ref) - ("lm_head.weight" in ref and "lm_head.weight" not in ours)
+        for name, tensor in ours.items():
+            assert torch.allclose(tensor, ref[name], atol=1e-6), name
 
 
 def _rewrite_safetensors(folder: str, edit) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
@@ -11,6 +10,7 @@ from radixlang.runtime.model_executor.forward_batch import ForwardBatch
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
 from radixlang.runtime.models.loader import load_model
+from tiny_model import smollm_hf_model
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 NEW_TOKENS = 32
@@ -52,7 +52,7 @@ def _greedy(model: LlamaForCausalLM, ids: list[int], new_tokens: int) -> list[in
 def test_smollm_greedy_matches_transformers_generate(smollm_path):
     torch.manual_seed(0)
     loaded = load_model(smollm_path)
-    hf = AutoModelForCausalLM.from_pretrained(smollm_path, torch_dtype=torch.float32).eval()
+    hf = smollm_hf_model()
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
         ours = _greedy(loaded.model, ids, NEW_TOKENS)

@@ -1,16 +1,13 @@
-"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer files), cached on disk.
+"""GGUF -> a small Hugging Face folder (config.json and the tokenizer files), cached on disk; the weights
+stay in the GGUF file and are read from it at load time (gguf_weights.py), one tensor at a time.
 
-The `gguf` package reads and dequantizes the tensors; transformers supplies the tokenizer and chat
-template from the GGUF metadata. Architectures (``general.architecture``): llama (Llama, Mistral,
-SmolLM; Mixtral when it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (text), phi3.
-Per tensor, three steps, so a quantized-tensor path can replace the last one: ``hf_tensor_name``
-(llama.cpp's name -> the HF checkpoint name, per architecture), ``restore_layout`` (llama.cpp's
-permuted Q/K rows on llama back to rotate_half's), ``dequantize_tensor`` (to float32). Per architecture
-besides: Gemma's norms are stored by llama.cpp as 1 + w (the offset is taken off again), stacked expert
-tensors (``ffn_gate_exps`` [experts, inter, hidden]) become one HF tensor per expert, Phi-3's longrope
-factors are tensors that go into the config. The safetensors file is written one tensor at a time
-(only one tensor is ever dequantized in memory); F16 tensors stay F16, the others become F32. The
-converted folder is written atomically under the user cache so later starts load it directly.
+The GGUF metadata maps to a transformers config per architecture (llama, qwen2, qwen3, qwen2moe,
+qwen3moe, gemma2, gemma3, phi3, deepseek2: see gguf_weights.py for the tensors); transformers supplies
+the tokenizer and chat template from the GGUF metadata. Phi-3's longrope factors are tensors of the file
+that go into the config. The folder is written atomically under the user cache, keyed by the GGUF
+file's path, size and modification time, and names its file in ``source.json``, so later starts read
+the small folder and the file directly. (Folders of the earlier design, which held every tensor
+dequantized to float32 in a ``model.safetensors``, have another key and are never used again.)
 """
 from __future__ import annotations
 
@@ -19,112 +16,20 @@ import json
 import logging
 import os
 import shutil
-import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
+from radixlang.runtime.models.gguf_file import GGUFFile, read_gguf
+from radixlang.runtime.models.gguf_weights import (
+    CONFIG_TENSORS, DEEPSEEK_V3, MIXTRAL, GGUFArch, check_readable, dequantize_tensor, file_arch, hf_shape,
+)
+from radixlang.runtime.models.gguf_weights import restore_layout as restore_layout  # gguf_quant's import
 
 logger = logging.getLogger(__name__)
 
-_LAYER_MAP = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-# "{e}": a stacked tensor [experts, ...] that becomes one HF tensor per expert
-_MOE_MAP = {
-    **_LAYER_MAP, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-_MIXTRAL_MAP = {
-    **_LAYER_MAP, "ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-}
-# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP
-_GEMMA_MAP = {**_LAYER_MAP, "post_attention_norm": "post_attention_layernorm",
-              "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# Phi-3 keeps q/k/v fused, and gate/up fused in ffn_up (gate rows first), as its HF checkpoint does
-_PHI3_MAP = {**_LAYER_MAP, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope factors
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    model_type: str  # transformers' model_type
-    hf_arch: str  # the HF architecture (the registry's key)
-    layer_map: dict[str, str]
-    norm_offset: float = 0.0  # llama.cpp stores Gemma's norm weights w as 1 + w
-
-
-GGUF_ARCHS = {
-    "llama": GGUFArch("llama", "LlamaForCausalLM", _LAYER_MAP),
-    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", _LAYER_MAP),
-    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", _LAYER_MAP),
-    "qwen2moe": GGUFArch("qwen2_moe", "Qwen2MoeForCausalLM", _MOE_MAP),
-    "qwen3moe": GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", _MOE_MAP),
-    "gemma2": GGUFArch("gemma2", "Gemma2ForCausalLM", _GEMMA_MAP, norm_offset=1.0),
-    "gemma3": GGUFArch("gemma3_text", "Gemma3ForCausalLM", _GEMMA_MAP, norm_offset=1.0),
-    "phi3": GGUFArch("phi3", "Phi3ForCausalLM", _PHI3_MAP),
-}
-_MIXTRAL = GGUFArch("mixtral", "MixtralForCausalLM", _MIXTRAL_MAP)  # llama with experts
-
-
-def gguf_arch(arch: str, expert_count: int = 0) -> GGUFArch:
-    """How a GGUF architecture maps to ours; a ValueError naming it and the supported ones."""
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
-    return _MIXTRAL if arch == "llama" and expert_count > 0 else GGUF_ARCHS[arch]
-
-
-def hf_tensor_name(gguf_name: str, arch: str = "llama", expert_count: int = 0) -> str:
-    """llama.cpp's tensor name (blk.3.attn_q.weight) -> the HF checkpoint's (model.layers.3.self_attn.q_proj.weight).
-
-    A stacked expert tensor's name holds ``{e}`` where the expert index goes."""
-    parts = gguf_name.split(".")
-    table = gguf_arch(arch, expert_count).layer_map if parts[0] == "blk" else _TOP_MAP
-    kind = parts[2] if parts[0] == "blk" else parts[0]
-    if kind not in table:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here (architecture {arch})")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{table[kind]}.{parts[-1]}"
-    return f"{table[kind]}.{parts[-1]}"
-
-
-def restore_layout(arch: str, gguf_name: str, arr: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
-    """llama.cpp permutes Q and K rows (weights and biases) of ``llama`` only; other archs keep HF's layout."""
-    if arch != "llama":
-        return arr
-    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    if kind == "attn_q":
-        return _unpermute(arr, n_head)
-    if kind == "attn_k":
-        return _unpermute(arr, n_kv)
-    return arr
-
-
-def dequantize_tensor(t) -> np.ndarray:
-    """A GGUF reader tensor as float32 in HF's [out, in] shape (whatever its stored type)."""
-    return _dequantize(t, t.data).reshape(_hf_shape(t))
-
-
-def _dequantize(t, data: np.ndarray) -> np.ndarray:
-    import gguf
-    try:
-        return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
-    except NotImplementedError as e:
-        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be read "
-                         f"(no dequantization for it in the gguf package)") from e
-
-
-def _hf_shape(t) -> list[int]:
-    return [int(d) for d in reversed(t.shape)]
+_CACHE_FORMAT = "v3"  # v2: with a float32 model.safetensors; v3: config and tokenizer only
+SOURCE_FILE = "source.json"
 
 
 def cache_root() -> Path:
@@ -133,12 +38,12 @@ def cache_root() -> Path:
 
 def converted_dir_for(gguf_path: str) -> Path:
     st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|v2".encode()).hexdigest()[:16]
-    return cache_root() / f"{Path(gguf_path).stem}-{key}"
+    stamp = f"{os.path.abspath(gguf_path)}|{st.st_size}|{int(st.st_mtime)}|{_CACHE_FORMAT}"
+    return cache_root() / f"{Path(gguf_path).stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
 
 
 def ensure_converted(gguf_path: str) -> str:
-    """Return a HF folder equivalent to the GGUF file, converting it once."""
+    """Return the HF folder (config and tokenizer) of the GGUF file, writing it once."""
     out = converted_dir_for(gguf_path)
     if (out / "complete").exists():
         return str(out)
@@ -157,172 +62,214 @@ def ensure_converted(gguf_path: str) -> str:
     return str(out)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def gguf_of_folder(folder: str) -> str | None:
+    """The GGUF file whose weights a converted folder stands for, or None for any other folder (one
+    holding safetensors reads them, as a folder of the earlier design does)."""
+    source = Path(folder) / SOURCE_FILE
+    if not source.exists() or any(Path(folder).glob("*.safetensors")):
+        return None
+    path = json.loads(source.read_text()).get("gguf")
+    if not path or not os.path.exists(path):
+        raise FileNotFoundError(f"{folder} holds the config of GGUF file {path!r}, which no longer exists; "
+                                f"pass the GGUF file itself")
+    return str(path)
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's converter interleaves the rotary halves of each head; restore HF's rotate_half layout
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+class _Meta:
+    """The GGUF metadata of one architecture: ``key("embedding_length")`` reads ``{arch}.embedding_length``."""
+
+    def __init__(self, gguf_file: GGUFFile, arch: str, spec: GGUFArch) -> None:
+        self.file, self.arch, self.spec = gguf_file, arch, spec
+        self.n_head = int(self.key("attention.head_count"))
+        self.n_experts = int(self.key("expert_count", 0) or 0)
+        self.shapes = {t.name: hf_shape(t) for t in gguf_file.tensors}
+        self.layers = int(self.key("block_count"))
+
+    def key(self, name: str, default: Any = None) -> Any:
+        return self.file.fields.get(f"{self.arch}.{name}", default)
+
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.layers) if f"blk.{i}.ffn_gate_inp.weight" in self.shapes]
 
 
-class _Entry:
-    """One GGUF tensor's HF tensors: ``names`` (one, or one per expert of a stacked tensor, each of
-    ``shape``), laid out back to back; ``load()`` gives them all as one array."""
-
-    def __init__(self, names: list[str], shape: list[int], dtype: str, load: Callable[[], np.ndarray]) -> None:
-        self.names, self.shape, self.dtype, self.load = names, shape, dtype, load
-
-
-def _entries(reader, arch: str, spec: GGUFArch, n_head: int, n_kv: int, n_experts: int) -> list[_Entry]:
-    entries = []
-    for t in reader.tensors:
-        if t.name in _CONFIG_TENSORS:
-            continue
-        name = hf_tensor_name(t.name, arch, n_experts)
-        shape = _hf_shape(t)
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        offset = spec.norm_offset if kind.endswith("norm") else 0.0
-        keep_f16 = t.tensor_type.name == "F16" and not offset
-
-        def load(t=t, offset=offset, keep_f16=keep_f16) -> np.ndarray:
-            arr = (np.asarray(t.data).view(np.float16).reshape(_hf_shape(t)) if keep_f16
-                   else dequantize_tensor(t))
-            arr = restore_layout(arch, t.name, arr, n_head, n_kv)
-            return arr - np.float32(offset) if offset else arr
-
-        dtype = "F16" if keep_f16 else "F32"
-        if "{e}" in name:
-            entries.append(_Entry([name.format(e=e) for e in range(shape[0])], shape[1:], dtype, load))
-        else:
-            entries.append(_Entry([name], shape, dtype, load))
-    return entries
+def _common_config(m: _Meta) -> dict[str, Any]:
+    """The config fields every architecture shares."""
+    if "token_embd.weight" not in m.shapes:
+        raise ValueError("GGUF file has no token_embd.weight")
+    return dict(
+        architectures=[m.spec.hf_arch], vocab_size=int(m.shapes["token_embd.weight"][0]),
+        hidden_size=int(m.key("embedding_length")), intermediate_size=int(m.key("feed_forward_length", 0) or 0),
+        num_hidden_layers=m.layers, num_attention_heads=m.n_head,
+        num_key_value_heads=int(m.key("attention.head_count_kv", m.n_head)),
+        max_position_embeddings=int(m.key("context_length", 4096)),
+        rms_norm_eps=float(m.key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in m.shapes,
+        bos_token_id=m.file.fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=m.file.fields.get("tokenizer.ggml.eos_token_id"), torch_dtype="float32",
+    )
 
 
-def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
-    """A safetensors file written one GGUF tensor at a time (the header first, from the shapes)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for entry in entries:
-        nbytes = int(np.prod(entry.shape, dtype=np.int64)) * (2 if entry.dtype == "F16" else 4)
-        for name in entry.names:
-            if name in header:
-                raise ValueError(f"GGUF file holds tensor {name!r} twice")
-            header[name] = {"dtype": entry.dtype, "shape": entry.shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for entry in entries:
-            arr = np.ascontiguousarray(entry.load(), dtype=np.float16 if entry.dtype == "F16" else np.float32)
-            if list(arr.shape) != ([len(entry.names)] if len(entry.names) > 1 else []) + entry.shape:
-                raise ValueError(f"GGUF tensor for {entry.names[0]!r} has shape {list(arr.shape)}")
-            f.write(arr.tobytes())
+def _rope(m: _Meta) -> dict[str, Any]:
+    theta = float(m.key("rope.freq_base", 10000.0))
+    scaling = m.key("rope.scaling.type")
+    if scaling in (None, "none"):
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor"))}
+    if scaling == "yarn" and m.arch == "deepseek2":
+        return _deepseek_yarn(m, theta)
+    raise ValueError(f"GGUF rope scaling {scaling!r} ({m.arch}) is not supported (supported: linear; "
+                     f"yarn on deepseek2)")
 
 
-def _config_kwargs(reader, arch: str, spec: GGUFArch, n_head: int, n_kv: int, n_experts: int,
-                   layer_tensors: set[str]) -> dict[str, Any]:
+def _config_kwargs(m: _Meta) -> dict[str, Any]:
     """The transformers config fields of the GGUF's metadata beyond the common ones, per architecture."""
-    def key(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{name}", default)
-
-    hidden, layers = int(key("embedding_length")), int(key("block_count"))
-    head_dim = int(key("attention.key_length") or hidden // n_head)
-    theta = float(key("rope.freq_base", 10000.0))
+    if m.arch == "deepseek2":
+        return _deepseek_config(m)
+    head_dim = int(m.key("attention.key_length") or int(m.key("embedding_length")) // m.n_head)
     extra: dict[str, Any] = {"head_dim": head_dim}  # Qwen3's config defaults to 128 otherwise
-    window = key("attention.sliding_window")
+    window = m.key("attention.sliding_window")
     if window:
         extra["sliding_window"] = int(window)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    scaling = key("rope.scaling.type")
-    if scaling == "linear":
-        rope = {"rope_type": "linear", "rope_theta": theta, "factor": float(key("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} ({arch}) is not supported (supported: linear)")
-    if spec.norm_offset:  # Gemma 2 / 3
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if key(name) is not None:
-                extra[name] = float(key(name))
-        # llama.cpp's own rule (the GGUF has no query_pre_attn_scalar): hidden / heads for the 27B models
-        extra["query_pre_attn_scalar"] = hidden // n_head if layers in (46, 62) else head_dim
-        pattern = key("attention.sliding_window_pattern")
-        if pattern is not None:
-            flags = ([bool(x) for x in pattern] if isinstance(pattern, list)
-                     else [i % int(pattern) < int(pattern) - 1 for i in range(layers)])
-            extra["layer_types"] = ["sliding_attention" if f else "full_attention" for f in flags]
-        if arch == "gemma3":
-            local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))}
-            extra["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
-        else:
-            extra["rope_parameters"] = rope
-        return extra
-    if arch == "phi3":
-        rotary = key("rope.dimension_count")
-        if rotary is not None:
-            rope["partial_rotary_factor"] = int(rotary) / head_dim
-        factors = {t.name: dequantize_tensor(t).reshape(-1).tolist() for t in reader.tensors
-                   if t.name in _CONFIG_TENSORS}
-        if factors:
-            orig = int(key("rope.scaling.original_context_length") or key("context_length"))
-            rope.update(rope_type="longrope", original_max_position_embeddings=orig,
-                        long_factor=factors["rope_factors_long.weight"],
-                        short_factor=factors["rope_factors_short.weight"])
-            extra["original_max_position_embeddings"] = orig
-            if key("rope.scaling.attn_factor") is not None:
-                rope["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    if m.spec.norm_offset:  # Gemma 2 / 3
+        return {**extra, **_gemma_config(m, head_dim)}
+    rope = _rope(m)
+    if m.arch == "phi3":
+        extra.update(_phi3_rope(m, rope, head_dim))
     extra["rope_parameters"] = rope
-    if n_experts:
-        if spec is _MIXTRAL:
-            extra.update(num_local_experts=n_experts, num_experts_per_tok=int(key("expert_used_count")))
-        else:
-            norm_default = arch == "qwen3moe"  # llama.cpp's defaults: Qwen3-MoE renormalises, Qwen2-MoE not
-            sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in layer_tensors]
-            extra.update(num_experts=n_experts, num_experts_per_tok=int(key("expert_used_count")),
-                         moe_intermediate_size=int(key("expert_feed_forward_length")),
-                         norm_topk_prob=bool(key("expert_weights_norm", norm_default)), decoder_sparse_step=1,
-                         mlp_only_layers=[i for i in range(layers) if i not in sparse])
-            if key("expert_shared_feed_forward_length") is not None:
-                extra["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    if m.n_experts:
+        extra.update(_moe_config(m))
     return extra
 
 
-def _convert(gguf_path: str, out: Path) -> None:
-    import gguf
-    from transformers import AutoConfig, AutoTokenizer
+def _gemma_config(m: _Meta, head_dim: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if m.key(name) is not None:
+            extra[name] = float(m.key(name))
+    # llama.cpp's own rule (the GGUF has no query_pre_attn_scalar): hidden / heads for the 27B models
+    extra["query_pre_attn_scalar"] = int(m.key("embedding_length")) // m.n_head if m.layers in (46, 62) else head_dim
+    pattern = m.key("attention.sliding_window_pattern")
+    if pattern is not None:
+        flags = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                 else [i % int(pattern) < int(pattern) - 1 for i in range(m.layers)])
+        extra["layer_types"] = ["sliding_attention" if f else "full_attention" for f in flags]
+    rope = _rope(m)
+    if m.arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": float(m.key("rope.freq_base_swa", 10000.0))}
+        extra["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    else:
+        extra["rope_parameters"] = rope
+    return extra
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    n_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    spec = gguf_arch(arch, n_experts)
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    shapes = {t.name: _hf_shape(t) for t in reader.tensors}
-    for t in reader.tensors:  # refuse an unreadable type before writing anything (one row of each tried)
-        _dequantize(t, t.data[:1])
-    if "token_embd.weight" not in shapes:
-        raise ValueError(f"GGUF file {gguf_path} has no token_embd.weight")
-    config = AutoConfig.for_model(
-        spec.model_type, architectures=[spec.hf_arch],
-        vocab_size=int(shapes["token_embd.weight"][0]), hidden_size=int(_field(reader, f"{arch}.embedding_length")),
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", 0) or 0),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")), num_attention_heads=n_head,
-        num_key_value_heads=n_kv, max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in shapes,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        torch_dtype="float32", **_config_kwargs(reader, arch, spec, n_head, n_kv, n_experts, set(shapes)),
-    )
-    entries = _entries(reader, arch, spec, n_head, n_kv, n_experts)
-    config.save_pretrained(out)
-    _write_safetensors(out / "model.safetensors", entries)
+
+def _phi3_rope(m: _Meta, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Partial rotary and longrope (the factors are tensors of the file); updates ``rope`` in place."""
+    rotary = m.key("rope.dimension_count")
+    if rotary is not None:
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {t.name: dequantize_tensor(t).reshape(-1).tolist() for t in m.file.tensors
+               if t.name in CONFIG_TENSORS}
+    if not factors:
+        return {}
+    orig = int(m.key("rope.scaling.original_context_length") or m.key("context_length"))
+    rope.update(rope_type="longrope", original_max_position_embeddings=orig,
+                long_factor=factors["rope_factors_long.weight"], short_factor=factors["rope_factors_short.weight"])
+    if m.key("rope.scaling.attn_factor") is not None:
+        rope["attention_factor"] = float(m.key("rope.scaling.attn_factor"))
+    return {"original_max_position_embeddings": orig}
+
+
+def _moe_config(m: _Meta) -> dict[str, Any]:
+    if m.spec is MIXTRAL:
+        return dict(num_local_experts=m.n_experts, num_experts_per_tok=int(m.key("expert_used_count")))
+    norm_default = m.arch == "qwen3moe"  # llama.cpp's defaults: Qwen3-MoE renormalises, Qwen2-MoE not
+    sparse = m.sparse_layers()
+    extra = dict(num_experts=m.n_experts, num_experts_per_tok=int(m.key("expert_used_count")),
+                 moe_intermediate_size=int(m.key("expert_feed_forward_length")),
+                 norm_topk_prob=bool(m.key("expert_weights_norm", norm_default)), decoder_sparse_step=1,
+                 mlp_only_layers=[i for i in range(m.layers) if i not in sparse])
+    if m.key("expert_shared_feed_forward_length") is not None:
+        extra["shared_expert_intermediate_size"] = int(m.key("expert_shared_feed_forward_length"))
+    return extra
+
+
+def _deepseek_config(m: _Meta) -> dict[str, Any]:
+    """DeepSeek-V2/V3 (deepseek2). llama.cpp writes MLA as multi-query attention over the latent: newer
+    files give key_length = kv_lora_rank + rope and the per-head sizes in key_length_mla /
+    value_length_mla, older ones the per-head sizes in key_length / value_length."""
+    rope_dim = int(m.key("rope.dimension_count"))
+    per_head = m.key("attention.key_length_mla") is not None
+    qk = int(m.key("attention.key_length_mla" if per_head else "attention.key_length"))
+    v = int(m.key("attention.value_length_mla" if per_head else "attention.value_length"))
+    q_rank = int(m.key("attention.q_lora_rank", 0) or 0)
+    extra: dict[str, Any] = dict(
+        num_key_value_heads=m.n_head, head_dim=rope_dim, qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk - rope_dim,
+        v_head_dim=v, kv_lora_rank=int(m.key("attention.kv_lora_rank")), q_lora_rank=q_rank or None,
+        rms_norm_eps=float(m.key("attention.layer_norm_rms_epsilon", 1e-6)), rope_parameters=_rope(m))
+    if m.n_experts:
+        extra.update(_deepseek_moe(m))
+    else:  # dense throughout
+        extra.update(first_k_dense_replace=m.layers, n_routed_experts=None, n_shared_experts=0)
+    return extra
+
+
+def _deepseek_moe(m: _Meta) -> dict[str, Any]:
+    """Routing: V2's softmax (llama.cpp's default when expert_gating_func is absent) or V3's sigmoid with
+    the selection bias (exp_probs_b); groups when expert_group_count > 1."""
+    sparse = m.sparse_layers()
+    groups, used = int(m.key("expert_group_count", 0) or 0), int(m.key("expert_group_used_count", 0) or 0)
+    extra: dict[str, Any] = dict(
+        n_routed_experts=m.n_experts, num_experts_per_tok=int(m.key("expert_used_count")),
+        n_shared_experts=int(m.key("expert_shared_count", 0) or 0),
+        moe_intermediate_size=int(m.key("expert_feed_forward_length")),
+        first_k_dense_replace=int(m.key("leading_dense_block_count", sparse[0] if sparse else m.layers)),
+        routed_scaling_factor=float(m.key("expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=bool(m.key("expert_weights_norm", False)),
+        n_group=max(groups, 1), topk_group=max(used, 1) if groups > 1 else 1)
+    if m.spec is not DEEPSEEK_V3:
+        extra["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return extra
+
+
+def _deepseek_yarn(m: _Meta, theta: float) -> dict[str, Any]:
+    """DeepSeek's yarn. llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier and no mscale: every
+    DeepSeek release has mscale == mscale_all_dim (the rotary tables then stay unscaled, the softmax
+    scale takes mscale squared), so both are read back from it."""
+    rope: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor")),
+                            "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+                            "beta_fast": float(m.key("rope.scaling.yarn_beta_fast", 32.0)),
+                            "beta_slow": float(m.key("rope.scaling.yarn_beta_slow", 1.0))}
+    log_mul = m.key("rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        rope["mscale"] = rope["mscale_all_dim"] = float(log_mul) / 0.1
+    return rope
+
+
+def _tokenizer(src: Path) -> Any:
+    """The tokenizer and chat template of the GGUF's metadata. AutoTokenizer reads the file's config too,
+    and refuses architectures transformers cannot load from a GGUF (deepseek2): the tokenizer alone
+    comes from ``tokenizer.ggml.model`` then."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except ValueError as e:
+        logger.info("GGUF %s: tokenizer read without transformers' config (%s)", src.name, e)
+        return PreTrainedTokenizerFast.from_pretrained(str(src.parent), gguf_file=src.name)
+
+
+def _convert(gguf_path: str, out: Path) -> None:
+    from transformers import AutoConfig
+
+    gguf_file = read_gguf(gguf_path)
+    arch, spec = file_arch(gguf_file.fields)
+    check_readable(gguf_file.tensors)  # refuse an unreadable tensor type now, not halfway through a load
+    meta = _Meta(gguf_file, arch, spec)
+    kwargs = {**_common_config(meta), **_config_kwargs(meta)}
+    AutoConfig.for_model(spec.model_type, **kwargs).save_pretrained(out)
     src = Path(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    tokenizer.save_pretrained(out)
-    (out / "source.json").write_text(json.dumps({"gguf": str(src), "size": os.stat(src).st_size}))
-    logger.info("converted %s (%s as %s) -> %s (%d tensors)", src.name, arch, spec.hf_arch, out,
-                sum(len(e.names) for e in entries))
+    _tokenizer(src).save_pretrained(out)
+    (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(src.resolve()), "size": os.stat(src).st_size}))
+    logger.info("GGUF %s (%s as %s): config and tokenizer in %s; weights read from the file at load",
+                src.name, arch, spec.hf_arch, out)

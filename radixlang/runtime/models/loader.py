@@ -1,8 +1,10 @@
 """Load a model: a Hugging Face folder, a hub id (through huggingface_hub: the local cache first), a GGUF
-file, or random weights from a config. Safetensors are read one tensor at a time and copied straight into
+file, or random weights from a config. Checkpoints are read one tensor at a time and copied straight into
 the model's parameters (built on the meta device, then given storage in their final dtype and device),
-so loading never holds a float32 or second copy of the model on the host; sharded checkpoints are the
-shards ``model.safetensors.index.json`` lists."""
+so loading never holds a float32 or second copy of the model on the host: safetensors from their
+memory-mapped files (sharded checkpoints are the shards ``model.safetensors.index.json`` lists), a GGUF
+file's tensors dequantized one at a time from the file itself (gguf_weights.py), through a small cached
+folder of its config and tokenizer (gguf_convert.py)."""
 from __future__ import annotations
 
 import glob
@@ -10,13 +12,14 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from torch import nn
 
-from radixlang.runtime.models.gguf_convert import ensure_converted
+from radixlang.runtime.models.gguf_convert import ensure_converted, gguf_of_folder
+from radixlang.runtime.models.gguf_weights import gguf_weights
 from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
 from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
@@ -50,7 +53,8 @@ def default_model_path() -> str:
 
 
 def resolve_model_dir(model_path: str | None, load_format: str = "auto") -> str:
-    """Turn --model-path into a HF folder (converting a GGUF file once)."""
+    """Turn --model-path into a HF folder (for a GGUF file, the cached folder of its config and tokenizer,
+    written once)."""
     path = model_path or default_model_path()
     if not os.path.exists(path):
         if not _looks_like_hub_id(path):
@@ -129,10 +133,41 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
     else:
-        model.load_weights(_iter_safetensors(checkpoint_files(folder)))
+        skip = _deferred_filter(model.deferred_params, model.checkpoint_name)
+        model.load_weights(checkpoint_weights(folder, skip=skip))
     tok_dir = tokenizer_path or folder
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir)
+
+
+def checkpoint_weights(folder: str, *, skip: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) one at a time: the GGUF file a converted folder stands for, else the folder's
+    safetensors. ``skip``: names not to read (GGUF only; safetensors are memory-mapped, reading is cheap)."""
+    gguf_path = gguf_of_folder(folder)
+    if gguf_path is not None:
+        return gguf_weights(gguf_path, skip=skip)
+    return _iter_safetensors(checkpoint_files(folder))
+
+
+# checkpoint pieces that load into one fused parameter (as LlamaForCausalLM.load_weights fuses them)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def _deferred_filter(deferred: frozenset[str], checkpoint_name: Callable[[str], str]) -> Callable[[str], bool] | None:
+    """Whether a checkpoint tensor only feeds a deferred parameter (one the caller replaces unloaded);
+    ``checkpoint_name``: the model's renaming of checkpoint names to its own."""
+    if not deferred:
+        return None
+
+    def skip(name: str) -> bool:
+        parts = checkpoint_name(name.removeprefix("model.")).split(".")
+        if len(parts) >= 2:
+            parts[-2] = _FUSED.get(parts[-2], parts[-2])
+        return ".".join(parts) in deferred
+
+    return skip
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -154,7 +189,7 @@ def checkpoint_files(folder: str) -> list[str]:
     return files
 
 
-def _iter_safetensors(files: list[str]):
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one tensor at a time, in the checkpoint's own dtype, read from the memory-mapped file."""
     from safetensors import safe_open
 
