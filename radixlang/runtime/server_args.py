@@ -155,7 +155,7 @@ class ServerArgs:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, reachable from every node)")
         if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
-        if self.tp_size > 1 and self.quantization:
+        if self.tp_size > 1 and self.quantization in ("int8", "int4"):  # gguf splits its blocks per rank
             raise ValueError(f"quantization {self.quantization!r} is not supported with tp_size > 1, "
                              f"got tp_size {self.tp_size}")
 
@@ -188,7 +188,7 @@ class ServerArgs:
             changes["device"] = device
         if self.dtype == "auto":
             changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
-            if (device == "cpu" and self.quantization is None and self.tp_size == 1
+            if (device == "cpu" and self.quantization is None
                     and self.load_format in ("auto", "gguf") and _quantized_gguf(self.model_path, self.load_format)):
                 changes["quantization"] = "gguf"
         dtype = changes.get("dtype", self.dtype)

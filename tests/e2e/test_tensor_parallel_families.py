@@ -2,22 +2,24 @@
 transformers (tests/tiny_model.py: 6 heads over 2 kv heads, so each rank holds 3 heads and 1 kv head):
 Qwen3 (q/k norms), Gemma2 (soft-capping, (1 + w) norms, sliding and full layers), Gemma3 (q/k norms,
 local rope base on sliding layers), Mistral and Qwen2 with sliding windows, Phi3 (fused checkpoint
-tensors), and the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and GPT-OSS
-(sinks). Same greedy tokens, logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1
-itself is checked against transformers in tests/runtime/test_model_families.py."""
+tensors), the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and GPT-OSS
+(sinks), and DeepSeek-V2 / V3 (tiny_model.MLA_FAMILIES: multi-head latent attention split by heads, the
+latent replicated; a dense first layer, shared and routed experts split by intermediate features). Same
+greedy tokens, logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1 itself is checked
+against transformers in tests/runtime/test_model_families.py and tests/runtime/test_deepseek.py."""
 from __future__ import annotations
 
 import pytest
 
 from radixlang import Engine
-from tiny_model import FAMILIES, save_tiny_hf_model
+from tiny_model import FAMILIES, MLA_FAMILIES, save_tiny_hf_model
 
 pytestmark = pytest.mark.e2e
 
 # every family of tiny_model.FAMILIES but Llama (tests/e2e/test_tensor_parallel.py) and Qwen3's sliding
 # variant (Qwen2's covers the window)
 TP_FAMILIES = ("qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
-               "qwen3_moe", "gpt_oss")
+               "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -40,7 +42,7 @@ def _logprobs(out: dict) -> list[float]:
 
 @pytest.mark.parametrize("name", TP_FAMILIES)
 def test_tp2_matches_tp1(name, tmp_path):
-    arch, overrides = FAMILIES[name]
+    arch, overrides = {**FAMILIES, **MLA_FAMILIES}[name]
     folder = save_tiny_hf_model(str(tmp_path / name), arch, seed=5, **overrides)
     kw = dict(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
@@ -49,10 +51,16 @@ def test_tp2_matches_tp1(name, tmp_path):
         model = engine.scheduler.runner.model
         assert model.num_heads == 3  # this rank's half of the 6 heads
         experts = [m for m in model.modules() if type(m).__name__ in ("Experts", "GptOssExperts")]
-        assert bool(experts) == ("moe" in name or name in ("mixtral", "gpt_oss"))
+        assert bool(experts) == ("moe" in name or name in ("mixtral", "gpt_oss") or "deepseek" in name)
         for m in experts:  # half of each expert's intermediate features
             inter = m.inter if hasattr(m, "inter") else m.down_proj.shape[1]
             assert inter in (16, 96)
+        if "deepseek" in name:  # MLA: this rank's 3 heads of q_b / kv_b, 3 x 24 o_proj inputs; the latent whole
+            attn = model.layers[0].self_attn
+            assert attn.kv_b_proj.weight.shape == (3 * (16 + 24), 32) and attn.o_proj.in_features == 3 * 24
+            assert attn.kv_a_proj_with_mqa.out_features == 32 + 8
+            shared = model.layers[1].mlp.shared_experts
+            assert shared.inter == 16 and model.layers[0].mlp.inter == 96  # shared expert, dense first layer
         got = _run(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

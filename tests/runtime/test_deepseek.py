@@ -12,20 +12,8 @@ from transformers import AutoModelForCausalLM
 from radixlang.runtime.models.loader import load_model
 from test_model_families import NEW_TOKENS, PROMPTS, _hf_greedy, _hf_logprobs, _input_logprobs, _tokens
 from test_models import _run_ours
+from tiny_model import MLA_FAMILIES as FAMILIES
 from tiny_model import save_tiny_hf_model
-
-MLA = dict(num_key_value_heads=6, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=24,
-           n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-           first_k_dense_replace=1, n_group=3, topk_group=2)
-FAMILIES = {
-    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
-        MLA, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
-                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 512,
-                         "beta_fast": 32.0, "beta_slow": 1.0})),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=24, norm_topk_prob=True,
-                                                  routed_scaling_factor=2.5)),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -120,7 +108,8 @@ def test_v3_routing_selection_bias_and_groups():
 
 def test_mla_checkpoint_checks_and_refusals(tmp_path):
     """A missing or unexpected tensor is named; the multi-token-prediction layer past num_hidden_layers
-    is skipped; tensor parallelism and a backend without MLA are refused naming both."""
+    is skipped; a backend without MLA is refused naming both; a head count that does not split over the
+    tensor-parallel ranks is refused before any rank starts."""
     from safetensors.torch import load_file, save_file
 
     from radixlang.kernels.attention.base import AttentionBackend
@@ -131,12 +120,11 @@ def test_mla_checkpoint_checks_and_refusals(tmp_path):
     assert "mla" in attention_features(model)
     with pytest.raises(ValueError, match="mla.*'triton' attention backend"):
         check_backend_features(model, AttentionBackend(), "triton")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        type(model)(model.config, tp=object())
     from radixlang.runtime.models.llama import check_tensor_parallel
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: multi-head latent attention .* tensor parallelism"):
-        check_tensor_parallel(model.config, 2)  # what rank 0 runs before starting any other rank
     check_tensor_parallel(model.config, 1)
+    check_tensor_parallel(model.config, 2)  # what rank 0 runs before starting any other rank
+    with pytest.raises(ValueError, match="6 attention heads"):
+        check_tensor_parallel(model.config, 4)
     path = f"{folder}/model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(path).items()}
     mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k}

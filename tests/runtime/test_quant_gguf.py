@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models import gguf_quant
+from radixlang.runtime.models import gguf_blocks
 from radixlang.runtime.server_args import ServerArgs
 
 gguf = pytest.importorskip("gguf")
@@ -20,7 +20,7 @@ BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 2
 def _random_blocks(kind: str, n_blocks: int, seed: int) -> np.ndarray:
     """Random block bytes whose f16 scale fields are small finite numbers (the rest is any bits)."""
     rng = np.random.default_rng(seed)
-    size = gguf_quant._block_bytes(kind)
+    size = gguf_blocks.block_bytes(kind)
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     halves = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
     if kind == "Q6_K":
@@ -37,8 +37,8 @@ def test_decoded_blocks_match_the_gguf_dequantizer(kind):
     rows, cols = 6, 2 * BLOCK[kind] if BLOCK[kind] == 256 else 128
     raw = _random_blocks(kind, rows * cols // BLOCK[kind], seed=len(kind))
     ref = gguf.quants.dequantize(raw.reshape(-1), getattr(gguf.GGMLQuantizationType, kind)).reshape(rows, cols)
-    q, scale, offset, group = gguf_quant.decode_tensor(kind, raw, rows, cols)
-    w = gguf_quant.to_quant_weight(kind, q, scale, offset, group)
+    q, scale, offset, group = gguf_blocks.decode_tensor(kind, raw, rows, cols)
+    w = gguf_blocks.to_quant_weight(kind, q, scale, offset, group)
     assert w.layout == ("q4" if kind in ("Q4_0", "Q4_1", "Q4_K") else "q8")
     deq = qk.dequantize(w).numpy()
     # the kernel's q * scale + offset rounds once where the reference may round twice

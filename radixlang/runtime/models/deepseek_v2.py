@@ -5,6 +5,10 @@ experts, the top k (within the ``topk_group`` best of ``n_group`` groups when ``
 "group_limited_greedy"), weighted by the scores times ``routed_scaling_factor``, never renormalised
 (as transformers' DeepseekV2, which leaves ``norm_topk_prob`` unused), plus ``n_shared_experts`` shared
 experts as one dense MLP. The rotary features are interleaved pairs (see layers/mla.py).
+
+Under tensor parallelism each rank holds its attention heads (layers/mla.py), every routed expert over
+its slice of the expert intermediate features (layers/moe.py), and its slice of the shared experts and of
+the dense layers' MLPs; the router and the latent projections are replicated.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from radixlang.runtime.models.layers.mla import MLAttention, deinterleave_rope_r
 from radixlang.runtime.models.layers.moe import Experts, route_softmax_grouped
 from radixlang.runtime.models.layers.rotary import rope_tables
 from radixlang.runtime.models.llama import MLP, DecoderLayer, LlamaForCausalLM
-from radixlang.runtime.models.parallel import TPComm
+from radixlang.runtime.models.parallel import TPComm, shard_tensor
 
 _LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
 
@@ -45,7 +49,9 @@ class Router(nn.Module):
 class DeepseekMoE(nn.Module):
     sigmoid_routing = False  # V3
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
+        """Under ``tp`` the router is replicated (every rank routes alike), each expert and the shared
+        experts hold this rank's slice of their intermediate features, as a dense MLP does."""
         super().__init__()
         hidden, num_experts = config.hidden_size, config.n_routed_experts
         self.config = config
@@ -53,9 +59,9 @@ class DeepseekMoE(nn.Module):
         self.gate = Router(num_experts, hidden, selection_bias=self.sigmoid_routing)
         act = MLP(config, intermediate_size=1)  # resolves the activation
         self.experts = Experts(num_experts, hidden, config.moe_intermediate_size, act.act,
-                               act_is_silu=act.act_name == "silu")
+                               act_is_silu=act.act_name == "silu", tp=tp)
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
-        self.shared_experts = (MLP(config, intermediate_size=config.moe_intermediate_size * shared)
+        self.shared_experts = (MLP(config, tp, intermediate_size=config.moe_intermediate_size * shared)
                                if shared else None)
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
 
@@ -79,7 +85,7 @@ class DeepseekV2DecoderLayer(DecoderLayer):
     moe_cls: type[DeepseekMoE] = DeepseekMoE
 
     def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
-        return self.moe_cls(config) if is_moe_layer(config, layer_id) else MLP(config, tp)
+        return self.moe_cls(config, tp) if is_moe_layer(config, layer_id) else MLP(config, tp)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -87,8 +93,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     rope_interleaved = True
 
     def __init__(self, config: Any, *, tp: TPComm | None = None, **kw: Any) -> None:
-        if tp is not None:
-            raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet (tp_size must be 1)")
         quant = getattr(config, "quantization_config", None)
         if quant:
             method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
@@ -120,6 +124,13 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             block = c.kv_lora_rank + c.qk_rope_head_dim
             return deinterleave_rope_rows(tensor, block=block, offset=c.kv_lora_rank, rope=c.qk_rope_head_dim)
         return tensor
+
+    def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """MLA's per-head projections give this rank its heads' rows (layers/mla.py); q_a / kv_a and their
+        norms stay whole; o_proj, the experts and the dense MLPs split as Llama's do."""
+        if kind in ("q_b_proj", "kv_b_proj") and self.tp is not None:
+            return shard_tensor(tensor, self.tp.rank, self.tp.size, dim=0)
+        return super()._rank_slice(kind, tensor)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As Llama's, without the layers past num_hidden_layers (V3 checkpoints carry their multi-token

@@ -1,9 +1,11 @@
 """A quantized GGUF's weights served as they are stored (``--quantization gguf``, the default for one on the CPU).
 
-The model is first built and loaded from the GGUF's dequantized float32 copy (gguf_convert.py: config,
-tokenizer, norms, the embedding table for lookups). Then every linear whose GGUF tensor is one of the block
-types below is replaced by a ``QuantLinear`` holding that tensor's integer codes and per-group scales and
-offsets, read straight from the file, so a decode step streams the quantized bytes instead of float32:
+The model is first built and loaded from the GGUF file (gguf_convert.py: config and tokenizer;
+gguf_weights.py: the tensors that stay float32, dequantized one at a time: norms, the embedding table for
+lookups, linears of other types), the linears planned here left unloaded. Then every linear whose GGUF
+tensor is one of the block types below is replaced by a ``QuantLinear`` holding that tensor's integer
+codes and per-group scales and offsets, read straight from the file, so a decode step streams the
+quantized bytes instead of float32:
 
 =====  =========================================  =================================
 type   stored per block                           kept as (kernels/cpu/quant.py)
@@ -21,26 +23,37 @@ holds up to one rounding. With float32 activations, outputs match the ``--dtype 
 file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
 activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
 Tensors of other types (F16, Q5_0, Q2_K, ...) keep their dequantized float32 weights, with a log line
-naming them. q/k/v and gate/up are stacked into the model's fused projections; the tied logits
-projection reads the quantized embedding table.
+naming them. q/k/v and gate/up are stacked into the model's fused projections (Phi-3's files hold them
+fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized
+embedding table. Decoding the blocks is gguf_blocks.py.
+
+Under tensor parallelism (``--tp-size``) each rank keeps only its slice of every block tensor, cut from
+the decoded codes, scales and offsets: column-parallel projections (q/k/v, gate/up, the logits) take whole
+output rows, each part of a fused projection sliced alone as ``load_weights`` slices a float one (its q
+heads, its kv heads, its half of gate and of up; the vocabulary padded with zero rows); row-parallel ones
+(o_proj, down_proj: ``RowParallelQuantLinear``, partial sums all-reduced, bias added once) take whole
+groups of input features. Their slice must start on a multiple of ``TP_INPUT_ALIGN`` (32) features: the
+K-types' 256-weight super-blocks are decoded into per-32 (Q6_K: per-16) scales and offsets, so 32 is the
+coarsest group any kept layout has, and the int8-activation kernels quantize activations per 32 features
+too; on those boundaries a rank's partial sum has exactly the single-rank sum's terms. A linear whose
+slice would cut a group is not refused: it keeps its dequantized float32 weight on every rank (sliced like
+a float checkpoint's), with a warning naming it, its input size, the group and the tp size.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
+from radixlang.runtime.models.gguf_blocks import LAYOUTS, NATIVE_TYPES, DecodedBlocks, decode_tensor
+from radixlang.runtime.models.parallel import TPComm, column_part_rows, padded_vocab
 
 logger = logging.getLogger(__name__)
 
-_LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
-            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
-NATIVE_TYPES = tuple(_LAYOUTS)
 # up to this many rows the kernel (which decodes each weight group once per 4 rows) is used; past it the
 # weight is dequantized once for the call and the rows run through a float32 GEMM
 KERNEL_MAX_ROWS = 16
@@ -106,91 +119,21 @@ def add_prefill_copies_(model: nn.Module, *, max_bytes: int | None = None) -> in
     return count
 
 
-# --- GGUF blocks -> (integer codes [rows, cols], scales and offsets [rows, cols / group]) ---------------
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
-
-
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per 256-block."""
-    s = scales.reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """raw uint8 [n_blocks, block_bytes] -> codes [n_blocks, weights], scales, offsets [n_blocks, groups], group."""
-    n = raw.shape[0]
-    if kind == "Q4_0":
-        d, qs = _f16(raw[:, 0:2]), raw[:, 2:18]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        return q, d[:, None], (-8.0 * d)[:, None], 32
-    if kind == "Q4_1":
-        d, m, qs = _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), raw[:, 4:20]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        return q, d[:, None], m[:, None], 32
-    if kind == "Q8_0":
-        d = _f16(raw[:, 0:2])
-        return raw[:, 2:34].view(np.int8), d[:, None], np.zeros((n, 1), np.float32), 32
-    if kind in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
-        sc, mn = _k_scale_min(raw[:, 4:16])
-        scale, offset = d[:, None] * sc, -(dmin[:, None] * mn)
-        if kind == "Q4_K":  # 4 chunks of 64 weights in 32 bytes: low nibbles the first 32, high the next
-            qs = raw[:, 16:144].reshape(n, 4, 1, 32)
-            q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 256)
-        else:  # the same low nibbles, plus a fifth bit per weight: bit j of qh[i] for sub-block j
-            qh, qs = raw[:, 16:48], raw[:, 48:176]
-            lo = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
-            hi = ((qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1)
-            q = (lo | (hi << 4)).reshape(n, 256).astype(np.int8)
-        return q, scale, offset, 32
-    if kind == "Q6_K":
-        ql, qh, sc, d = raw[:, 0:128], raw[:, 128:192], raw[:, 192:208].view(np.int8), _f16(raw[:, 208:210])
-        lo = ((ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 2, 128)
-        hi = ((qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 2, 128)
-        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, 256)
-        return q, d[:, None] * sc.astype(np.float32), np.zeros((n, 16), np.float32), 16
-    raise ValueError(f"no native layout for GGUF type {kind}")
-
-
-def _block_bytes(kind: str) -> int:
-    return {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
-
-
-def decode_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """A GGUF tensor's raw bytes -> codes [rows, cols], scales / offsets [rows, cols / group], group."""
-    per = 32 if kind in ("Q4_0", "Q4_1", "Q8_0") else 256
-    if cols % per:
-        raise ValueError(f"a {kind} tensor needs rows of a multiple of {per} weights, got {cols}")
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, _block_bytes(kind))
-    if raw.shape[0] != rows * cols // per:
-        raise ValueError(f"{kind} tensor of {raw.shape[0]} blocks does not hold [{rows}, {cols}]")
-    q, scale, offset, group = _decode(kind, raw)
-    return (q.reshape(rows, cols), np.ascontiguousarray(scale, np.float32).reshape(rows, cols // group),
-            np.ascontiguousarray(offset, np.float32).reshape(rows, cols // group), group)
-
-
-def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int) -> qk.QuantWeight:
-    rows, cols = q.shape
-    if _LAYOUTS[kind][0] == "q4":  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
-        g = q.astype(np.uint8).reshape(rows, cols // 32, 32)
-        codes = torch.from_numpy(np.ascontiguousarray((g[..., :16] | (g[..., 16:] << 4)).reshape(rows, cols // 2)))
-        layout = "q4"
-    else:
-        codes = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
-        layout = "q8"
-    return qk.QuantWeight(layout, codes, torch.from_numpy(scale.copy()), torch.from_numpy(offset.copy()),
-                          group, rows, cols)
-
-
 # --- the model hook ---------------------------------------------------------------------------------------
 
-_LINEARS = {"attn_q": ("qkv", 0), "attn_k": ("qkv", 1), "attn_v": ("qkv", 2), "attn_output": ("o", 0),
-            "ffn_gate": ("gate_up", 0), "ffn_up": ("gate_up", 1), "ffn_down": ("down", 0)}
+# GGUF tensor kind -> (the model's projection it fills, the parts of it the tensor holds, in row order)
+_LINEARS = {"attn_q": ("qkv", ("q",)), "attn_k": ("qkv", ("k",)), "attn_v": ("qkv", ("v",)),
+            "attn_output": ("o", ("o",)), "ffn_gate": ("gate_up", ("gate",)), "ffn_up": ("gate_up", ("up",)),
+            "ffn_down": ("down", ("down",))}
+# architectures whose files hold those projections fused (Phi-3: q/k/v as attn_qkv, gate and up as ffn_up)
+_FUSED_LINEARS = {"phi3": {"attn_qkv": ("qkv", ("q", "k", "v")), "ffn_up": ("gate_up", ("gate", "up")),
+                           "attn_output": ("o", ("o",)), "ffn_down": ("down", ("down",))}}
+_PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+_ROW_PARALLEL = ("o", "down")  # split by input features under tensor parallelism; the others by output rows
+# a row-parallel rank's input features must start and end on this boundary: the kept layouts' groups (32;
+# 16 for Q6_K) and the int8-activation kernels' groups of 32 (kernels/cpu/quant.py) are then the same
+# groups as on one rank, so each rank's partial sums are the single-rank sums' terms
+TP_INPUT_ALIGN = 32
 
 
 def gguf_file_types(path: str) -> dict[str, str]:
@@ -209,23 +152,64 @@ _ROOMS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_
           "down": ("mlp", "down_proj")}
 
 
+class _Swap(NamedTuple):
+    """One projection served from the file's blocks: its tensors in row order, the parts each holds, and
+    each part's rows in the full model."""
+    tensors: list[Any]
+    parts: list[tuple[str, ...]]
+    part_rows: dict[str, int]  # q, k, v: heads x head_dim; gate, up: this layer's intermediate size
+
+
 class _Plan(NamedTuple):
     """Which of the model's linears a GGUF file's blocks replace, read from the header alone."""
-    swaps: dict[tuple[int, str], dict[int, Any]]  # (layer, qkv/o/gate_up/down) -> {part: reader tensor}
+    swaps: dict[tuple[int, str], _Swap]  # (layer, qkv/o/gate_up/down) -> what replaces it
     logits: Any | None  # the reader tensor the logits projection is made of
     kept: list[str]  # linears that keep their float32 weights, and why
+    unaligned: list[str]  # of those, row-parallel ones whose rank slice would cut a quantization group
+
+
+def _part_rows(model: nn.Module, tensors: list[Any], parts: list[tuple[str, ...]]) -> dict[str, int] | None:
+    """Each part's rows in the full model, from the file's tensors (a fused one cut as the model's heads
+    say); None when a fused tensor does not hold the rows the model expects."""
+    c = model.config
+    n_head = c.num_attention_heads
+    n_kv = getattr(c, "num_key_value_heads", None) or n_head
+    out: dict[str, int] = {}
+    for t, held in zip(tensors, parts):
+        rows = int(t.shape[1])
+        if len(held) == 1:
+            out[held[0]] = rows
+            continue
+        sizes = ([n_head * model.head_dim] + [n_kv * model.head_dim] * 2 if held == ("q", "k", "v")
+                 else [rows // 2] * 2)
+        if sum(sizes) != rows:
+            return None
+        out.update(zip(held, sizes))
+    return out
+
+
+def _rank_shape(model: nn.Module, target: str, rows: dict[str, int], cols: int) -> tuple[int, int]:
+    """[out, in] of the projection on this rank (the full one without tensor parallelism)."""
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return sum(rows.values()), cols
+    if target in _ROW_PARALLEL:
+        return sum(rows.values()), cols // tp.size
+    n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    spans = [column_part_rows(part, n, tp, num_kv_heads=n_kv) for part, n in rows.items()]
+    return sum(end - first for first, end in spans), cols
 
 
 def _plan(model: nn.Module, reader: Any) -> _Plan:
-    if getattr(model, "tp", None) is not None:
-        raise ValueError("quantization 'gguf' is not supported with tensor parallelism")
-    pieces: dict[tuple[int, str], dict[int, Any]] = {}
+    linears = _FUSED_LINEARS.get(reader.fields["general.architecture"].contents(), _LINEARS)
+    pieces: dict[tuple[int, str], list[Any]] = {}
     kept: list[str] = []
+    unaligned: list[str] = []
     logits = None
     for t in reader.tensors:
         kind = t.tensor_type.name
         parts = t.name.split(".")
-        is_linear = (parts[0] == "blk" and parts[2] in _LINEARS and parts[-1] == "weight") or \
+        is_linear = (parts[0] == "blk" and parts[2] in linears and parts[-1] == "weight") or \
             t.name in ("output.weight", "token_embd.weight")
         if not is_linear:
             continue
@@ -234,25 +218,34 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
                 kept.append(f"{t.name} ({kind})")
             continue
         if parts[0] == "blk":
-            target, index = _LINEARS[parts[2]]
-            pieces.setdefault((int(parts[1]), target), {})[index] = t
+            pieces.setdefault((int(parts[1]), linears[parts[2]][0]), []).append(t)
         elif t.name == "output.weight" or getattr(model, "lm_head", "absent") is None:
             if t.name == "output.weight" or logits is None:
                 logits = t
+    tp = getattr(model, "tp", None)
     swaps = {}
     for (layer_id, target), got in pieces.items():
         room, attr = _ROOMS[target]
         old = getattr(getattr(model.layers[layer_id], room, None), attr, None)
-        want = {"qkv": 3, "gate_up": 2}.get(target, 1)
-        kinds = {t.tensor_type.name for t in got.values()}
-        shape = (sum(int(t.shape[1]) for t in got.values()), int(next(iter(got.values())).shape[0]))  # [out, in]
-        if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != shape:
+        order = _PARTS[target]
+        got.sort(key=lambda t: order.index(linears[t.name.split(".")[2]][1][0]))
+        held = [linears[t.name.split(".")[2]][1] for t in got]
+        kinds = {t.tensor_type.name for t in got}
+        rows = _part_rows(model, got, held) if tuple(p for h in held for p in h) == order else None
+        cols = int(got[0].shape[0])
+        if rows is None or not isinstance(old, nn.Linear) or \
+                tuple(old.weight.shape) != _rank_shape(model, target, rows, cols):
             kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
-        elif len(got) != want or len({_LAYOUTS[k] for k in kinds}) != 1:  # a fused projection: one layout
+        elif len({LAYOUTS[k] for k in kinds}) != 1:  # a fused projection: one layout
             kept.append(f"blk.{layer_id}.{target} (mixed {'/'.join(sorted(kinds))})")
+        elif tp is not None and target in _ROW_PARALLEL and (cols // tp.size) % TP_INPUT_ALIGN:
+            why = (f"blk.{layer_id}.{target} ({cols} input features over tp_size {tp.size} is {cols // tp.size} "
+                   f"a rank, not a multiple of the {TP_INPUT_ALIGN}-feature quantization group)")
+            kept.append(why)
+            unaligned.append(why)
         else:
-            swaps[(layer_id, target)] = got
-    return _Plan(swaps, logits, kept)
+            swaps[(layer_id, target)] = _Swap(got, held, rows)
+    return _Plan(swaps, logits, kept, unaligned)
 
 
 def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
@@ -269,7 +262,10 @@ def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
 
 def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]:
     """Swap the model's linears for QuantLinears over the GGUF file's own blocks; returns type -> tensors
-    swapped. Refuses a model left with a parameter that loading skipped and no swap replaced."""
+    swapped. Under tensor parallelism each rank keeps its slice of every block tensor (whole output rows of
+    q/k/v, gate/up and the logits; whole groups of o_proj's and down_proj's input features), each part of a
+    fused projection sliced alone. Refuses a model left with a parameter that loading skipped and no swap
+    replaced."""
     import gguf
 
     from radixlang.runtime.models.gguf_convert import restore_layout
@@ -279,34 +275,94 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
     arch = reader.fields["general.architecture"].contents()
     n_head = model.config.num_attention_heads
     n_kv = getattr(model.config, "num_key_value_heads", None) or n_head
+    tp: TPComm | None = getattr(model, "tp", None)
 
-    def quant_weight(t: Any) -> qk.QuantWeight:
+    def blocks(t: Any) -> DecodedBlocks:
         kind = t.tensor_type.name
         q, scale, offset, group = decode_tensor(kind, t.data, int(t.shape[1]), int(t.shape[0]))
         # the converter's row order (gguf_convert: llama's q/k rows are permuted back); blocks run along rows
         q, scale, offset = (restore_layout(arch, t.name, a, n_head, n_kv) for a in (q, scale, offset))
-        return to_quant_weight(kind, q, scale, offset, group)
+        return DecodedBlocks(kind, q, scale, offset, group)
+
+    def rank_parts(target: str, swap: _Swap) -> list[qk.QuantWeight]:
+        rows = swap.part_rows
+        out = []
+        for t, held in zip(swap.tensors, swap.parts):
+            full = blocks(t)
+            first = 0
+            for part in held:  # a fused tensor is cut into its parts first
+                piece = full.rows(first, first + rows[part])
+                first += rows[part]
+                if tp is not None and target in _ROW_PARALLEL:
+                    per = piece.q.shape[1] // tp.size
+                    piece = piece.cols(tp.rank * per, (tp.rank + 1) * per)
+                elif tp is not None:
+                    piece = piece.rows(*column_part_rows(part, rows[part], tp, num_kv_heads=n_kv))
+                out.append(piece.weight())
+        return out
 
     swapped: dict[str, int] = {}
-    for (layer_id, target), got in plan.swaps.items():
+    for (layer_id, target), swap in plan.swaps.items():
         room, attr = _ROOMS[target]
         owner = getattr(model.layers[layer_id], room)
         old = getattr(owner, attr)
-        kinds = sorted({t.tensor_type.name for t in got.values()})
-        weight = qk.QuantWeight.concat([quant_weight(got[i]) for i in range(len(got))])
-        setattr(owner, attr, QuantLinear(weight, getattr(old, "bias", None), "/".join(kinds)))
-        for t in got.values():
+        kinds = "/".join(sorted({t.tensor_type.name for t in swap.tensors}))
+        weight = qk.QuantWeight.concat(rank_parts(target, swap))
+        bias = getattr(old, "bias", None)
+        setattr(owner, attr, QuantLinear(weight, bias, kinds) if tp is None or target not in _ROW_PARALLEL
+                else RowParallelQuantLinear(weight, bias, kinds, tp=tp))
+        for t in swap.tensors:
             swapped[t.tensor_type.name] = swapped.get(t.tensor_type.name, 0) + 1
     if plan.logits is not None:
         kind = plan.logits.tensor_type.name
-        model.lm_head = QuantLinear(quant_weight(plan.logits), None, kind)
+        head = blocks(plan.logits)
+        if tp is None:
+            model.lm_head = QuantLinear(head.weight(), None, kind)
+        else:  # this rank's rows of the vocabulary, zero rows past it (parallel.shard_vocab)
+            vocab = head.q.shape[0]
+            per = padded_vocab(vocab, tp.size) // tp.size
+            mine = head.rows(tp.rank * per, (tp.rank + 1) * per).padded(per)
+            model.lm_head = VocabParallelQuantHead(QuantLinear(mine.weight(), None, kind), tp=tp, vocab_size=vocab)
         swapped[kind] = swapped.get(kind, 0) + 1
     unset = [name for name, p in model.named_parameters() if p.is_meta]
     if unset:
         raise RuntimeError(f"parameters left unloaded for the GGUF blocks and not replaced: {unset[:5]}")
     kept = plan.kept
     if kept:
-        logger.info("GGUF tensors kept dequantized to float32 (no native kernel for their type): %s",
+        logger.info("GGUF tensors kept dequantized to float32: %s",
                     ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else ""))
+    if plan.unaligned:
+        logger.warning("tensor parallelism: %d row-parallel linears kept dequantized to float32 on every rank, "
+                       "their rank slice would cut a quantization group: %s", len(plan.unaligned),
+                       ", ".join(plan.unaligned[:4]) + (" ..." if len(plan.unaligned) > 4 else ""))
     logger.info("GGUF weights served quantized: %s", ", ".join(f"{n} {k}" for k, n in sorted(swapped.items())))
     return swapped
+
+
+class RowParallelQuantLinear(QuantLinear):
+    """A row-parallel QuantLinear (o_proj, down_proj under tensor parallelism): this rank's input features;
+    the ranks' partial sums are all-reduced and the bias is added once, after the sum."""
+
+    def __init__(self, weight: qk.QuantWeight, bias: torch.Tensor | None, source_type: str, *,
+                 tp: TPComm) -> None:
+        super().__init__(weight, None, source_type)  # no bias in the partial sums (nor in a prefill copy)
+        self.tp = tp
+        self.register_buffer("sum_bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [n, in_features / size] -> [n, out_features], summed over the ranks
+        y = self.tp.all_reduce(super().forward(x))
+        return y if self.sum_bias is None else y + self.sum_bias.to(y.dtype)
+
+
+class VocabParallelQuantHead(nn.Module):
+    """The quantized logits projection split by vocabulary rows (like parallel.ParallelLMHead): each rank
+    holds ``padded_vocab / size`` rows, zero past the vocabulary, and the ranks' logits are all-gathered."""
+
+    def __init__(self, linear: QuantLinear, *, tp: TPComm, vocab_size: int) -> None:
+        super().__init__()
+        self.linear, self.tp, self.vocab_size = linear, tp, vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [n, hidden] -> this rank's [n, per_rank] -> gathered [n, padded] -> [n, vocab]
+        return self.tp.all_gather(self.linear(hidden).contiguous())[:, :self.vocab_size]

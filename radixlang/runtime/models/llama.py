@@ -33,12 +33,11 @@ from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear
 
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
     """A ValueError when the model's heads or MLP do not split over ``tp_size`` ranks (before any rank starts)."""
-    if tp_size > 1 and getattr(config, "kv_lora_rank", None):
-        raise ValueError(f"{'/'.join(getattr(config, 'architectures', None) or ['this model'])}: multi-head latent "
-                         f"attention does not run with tensor parallelism yet (tp_size must be 1, got {tp_size})")
     heads = config.num_attention_heads
     kv_heads_per_rank(heads, getattr(config, "num_key_value_heads", None) or heads, tp_size)
     split_evenly(config.intermediate_size, tp_size, "intermediate (MLP) features")
+    if getattr(config, "moe_intermediate_size", None):  # each expert is split like a dense MLP
+        split_evenly(config.moe_intermediate_size, tp_size, "expert intermediate features")
 
 
 def _row_linear(in_features: int, out_features: int, tp: TPComm | None, *, bias: bool = False) -> nn.Linear:

@@ -152,3 +152,16 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPComm
     # hidden [n, hidden] x weight [per_rank, hidden] -> [n, per_rank] -> gathered [n, padded] -> [n, vocab]
     local = F.linear(hidden, weight)
     return tp.all_gather(local.contiguous())[:, :vocab_size]
+
+
+def column_part_rows(part: str, rows: int, tp: TPComm, *, num_kv_heads: int) -> tuple[int, int]:
+    """[first, end) of the ``rows`` output rows of one part of a column-parallel projection that ``tp.rank``
+    holds: for a ``k`` or ``v`` part its kv heads (``kv_head_range``, replicated when fewer than ranks), for
+    any other (q, gate, up) its even share. The rule ``load_weights`` applies to float checkpoint tensors,
+    for weights that are not tensors (a quantized GGUF's blocks: models/gguf_quant.py)."""
+    if part in ("k", "v"):
+        head_dim = rows // num_kv_heads
+        first, end = kv_head_range(num_kv_heads, tp.rank, tp.size)
+        return first * head_dim, end * head_dim
+    per = split_evenly(rows, tp.size, f"{part} rows")
+    return tp.rank * per, (tp.rank + 1) * per

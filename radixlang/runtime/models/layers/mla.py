@@ -13,6 +13,11 @@ rows and values c (the latent's first kv_lora_rank features), and W_UV maps each
 Prefill and decode take the same path. The softmax scale is (nope + rope) ** -0.5, times mscale(factor,
 mscale_all_dim) squared under yarn (as DeepSeek and transformers do).
 
+Tensor parallelism splits the heads: a rank holds its heads' rows of ``q_b_proj`` and ``kv_b_proj``
+(whole head blocks, so the absorbed halves stay per head) and their columns of ``o_proj`` (row-parallel,
+all-reduced); ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms are replicated, so every rank makes the
+same latent and caches all of it (the KV pool is not split: one latent serves every head).
+
 Rotary layout: DeepSeek's checkpoints rotate the rope features as interleaved pairs (x0, x1), (x2, x3),
 ...; permuting the rows of the projections that make them (``deinterleave_rope_rows``, at load time)
 turns that into the rotate-half layout ``apply_rope`` uses. q and k are permuted alike, so their dot
@@ -28,7 +33,7 @@ from torch import nn
 
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, rope_parameters
-from radixlang.runtime.models.parallel import TPComm
+from radixlang.runtime.models.parallel import RowParallelLinear, TPComm, split_evenly
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm keep their default eps, not rms_norm_eps
 
@@ -77,14 +82,13 @@ class MLAttention(nn.Module):
     """The attention of a DeepSeek-V2/V3 decoder layer (checkpoint names as transformers': q_proj, or
     q_a_proj / q_a_layernorm / q_b_proj with q_lora_rank; kv_a_proj_with_mqa, kv_a_layernorm,
     kv_b_proj, o_proj). Without q_lora_rank the checkpoint's q_proj loads as q_b_proj over the hidden
-    state."""
+    state. With ``tp``, this rank's heads only (see the module docstring)."""
 
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
-        if tp is not None:
-            raise ValueError("multi-head latent attention does not run with tensor parallelism yet")
         self.layer_id = layer_id
-        hidden, heads = config.hidden_size, config.num_attention_heads
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        heads = total_heads if tp is None else split_evenly(total_heads, tp.size, "attention heads")
         self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.rank = config.kv_lora_rank
         # what the attention backend sees: every query head over one latent "kv head"
@@ -103,7 +107,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(heads, self.nope, self.v_dim, self.rank)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = (nn.Linear(heads * self.v_dim, hidden, bias=bias) if tp is None
+                       else RowParallelLinear(total_heads * self.v_dim, hidden, tp=tp, bias=bias))
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [n, hidden] -> [n, heads * v_head_dim]."""

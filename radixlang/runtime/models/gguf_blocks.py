@@ -1,0 +1,129 @@
+"""A GGUF tensor's quantized blocks decoded into the layouts the quantized kernels read
+(kernels/cpu/quant.py; the table of types is in models/gguf_quant.py): integer codes [rows, cols] and
+float32 scales and offsets per group [rows, cols / group], and ``DecodedBlocks``, one tensor's decoded
+arrays with the row and column slices tensor parallelism takes of them."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from radixlang.kernels.cpu import quant as qk
+
+LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
+           "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
+NATIVE_TYPES = tuple(LAYOUTS)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per 256-block."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """raw uint8 [n_blocks, block_bytes] -> codes [n_blocks, weights], scales, offsets [n_blocks, groups], group."""
+    n = raw.shape[0]
+    if kind == "Q4_0":
+        d, qs = _f16(raw[:, 0:2]), raw[:, 2:18]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return q, d[:, None], (-8.0 * d)[:, None], 32
+    if kind == "Q4_1":
+        d, m, qs = _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), raw[:, 4:20]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return q, d[:, None], m[:, None], 32
+    if kind == "Q8_0":
+        d = _f16(raw[:, 0:2])
+        return raw[:, 2:34].view(np.int8), d[:, None], np.zeros((n, 1), np.float32), 32
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+        sc, mn = _k_scale_min(raw[:, 4:16])
+        scale, offset = d[:, None] * sc, -(dmin[:, None] * mn)
+        if kind == "Q4_K":  # 4 chunks of 64 weights in 32 bytes: low nibbles the first 32, high the next
+            qs = raw[:, 16:144].reshape(n, 4, 1, 32)
+            q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 256)
+        else:  # the same low nibbles, plus a fifth bit per weight: bit j of qh[i] for sub-block j
+            qh, qs = raw[:, 16:48], raw[:, 48:176]
+            lo = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+            hi = ((qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1)
+            q = (lo | (hi << 4)).reshape(n, 256).astype(np.int8)
+        return q, scale, offset, 32
+    if kind == "Q6_K":
+        ql, qh, sc, d = raw[:, 0:128], raw[:, 128:192], raw[:, 192:208].view(np.int8), _f16(raw[:, 208:210])
+        lo = ((ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 2, 128)
+        hi = ((qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 2, 128)
+        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, 256)
+        return q, d[:, None] * sc.astype(np.float32), np.zeros((n, 16), np.float32), 16
+    raise ValueError(f"no native layout for GGUF type {kind}")
+
+
+def block_bytes(kind: str) -> int:
+    return {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+
+
+def decode_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A GGUF tensor's raw bytes -> codes [rows, cols], scales / offsets [rows, cols / group], group."""
+    per = 32 if kind in ("Q4_0", "Q4_1", "Q8_0") else 256
+    if cols % per:
+        raise ValueError(f"a {kind} tensor needs rows of a multiple of {per} weights, got {cols}")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, block_bytes(kind))
+    if raw.shape[0] != rows * cols // per:
+        raise ValueError(f"{kind} tensor of {raw.shape[0]} blocks does not hold [{rows}, {cols}]")
+    q, scale, offset, group = _decode(kind, raw)
+    return (q.reshape(rows, cols), np.ascontiguousarray(scale, np.float32).reshape(rows, cols // group),
+            np.ascontiguousarray(offset, np.float32).reshape(rows, cols // group), group)
+
+
+def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int) -> qk.QuantWeight:
+    rows, cols = q.shape
+    if LAYOUTS[kind][0] == "q4":  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
+        g = q.astype(np.uint8).reshape(rows, cols // 32, 32)
+        codes = torch.from_numpy(np.ascontiguousarray((g[..., :16] | (g[..., 16:] << 4)).reshape(rows, cols // 2)))
+        layout = "q4"
+    else:
+        codes = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
+        layout = "q8"
+    return qk.QuantWeight(layout, codes, torch.from_numpy(scale.copy()), torch.from_numpy(offset.copy()),
+                          group, rows, cols)
+
+
+class DecodedBlocks(NamedTuple):
+    """One GGUF tensor decoded: codes [rows, cols], scales / offsets [rows, cols / group]."""
+    kind: str
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    group: int
+
+    def rows(self, first: int, end: int) -> DecodedBlocks:
+        return self._replace(q=self.q[first:end], scale=self.scale[first:end], offset=self.offset[first:end])
+
+    def cols(self, first: int, end: int) -> DecodedBlocks:
+        """Input features [first, end), both on group boundaries (whole groups: codes, scales, offsets)."""
+        g = self.group
+        if first % g or end % g:
+            raise ValueError(f"input features [{first}, {end}) of a {self.kind} tensor cut its groups of {g}")
+        return self._replace(q=self.q[:, first:end], scale=self.scale[:, first // g:end // g],
+                             offset=self.offset[:, first // g:end // g])
+
+    def padded(self, rows: int) -> DecodedBlocks:
+        """Zero rows appended up to ``rows`` (code, scale and offset 0: a zero weight)."""
+        extra = rows - self.q.shape[0]
+        if extra <= 0:
+            return self
+
+        def pad(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.zeros((extra, a.shape[1]), a.dtype)])
+        return self._replace(q=pad(self.q), scale=pad(self.scale), offset=pad(self.offset))
+
+    def weight(self) -> qk.QuantWeight:
+        return to_quant_weight(self.kind, np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
+                               np.ascontiguousarray(self.offset), self.group)
