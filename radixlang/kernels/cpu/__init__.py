@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from radixlang.kernels.cpu.build import BuildError, load_library
+from radixlang.kernels.cpu.build import MOE_SOURCE, BuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ _SIGNATURES = {
     "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
     "rl_extend_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
                                    _INT]),
+    "rl_moe_experts": (None, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT]),  # csrc/moe.c
 }
 
 
@@ -46,7 +47,7 @@ def _library() -> ctypes.CDLL | str:
     """The loaded library, or why it could not be built or loaded; computed once per process (two
     threads racing here may both build: the build renames a finished file into place)."""
     try:
-        return load_library(_SIGNATURES)
+        return load_library(_SIGNATURES, extra=(MOE_SOURCE,))
     except (BuildError, OSError, AttributeError) as e:
         logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
         return str(e)
@@ -158,6 +159,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _load().rl_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                       m, n, k, torch.get_num_threads())
     return y
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                check: bool = True) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x) with SwiGLU experts (csrc/moe.c), for the few tokens of a
+    decode step: every routed expert's weights read once. x [n, hidden]; weights [n, k] float32; ids [n, k]
+    int64 in [0, E); w13 [E, 2 * inter, hidden] (gate rows, then up rows); w2 [E, hidden, inter]; hidden and
+    inter multiples of 4 -> a new [n, hidden]."""
+    n, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if check:
+        _f32("x", x, 2, contiguous=True)
+        _f32("weights", weights, 2, contiguous=True)
+        _f32("w13", w13, 3, contiguous=True)
+        _f32("w2", w2, 3, contiguous=True)
+        if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or hidden % 4 or inter % 4:
+            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
+                             f"(hidden and inter must be multiples of 4)")
+        if weights.shape != ids.shape or weights.shape[0] != n or not ids.is_contiguous():
+            raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{n}, k] "
+                             f"(ids contiguous)")
+        _indices("ids", ids.view(-1), ids.numel(), num_experts)
+    pairs = ids.numel()
+    out = torch.empty(n, hidden)
+    scratch = torch.empty(pairs * (2 * hidden + inter))
+    index = torch.empty(2 * pairs + num_experts + 1, dtype=torch.int64)
+    _load().rl_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                           out.data_ptr(), scratch.data_ptr(), index.data_ptr(), n, ids.shape[1], hidden, inter,
+                           num_experts, torch.get_num_threads())
+    return out
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, *,
