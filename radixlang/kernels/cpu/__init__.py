@@ -35,9 +35,10 @@ _SIGNATURES = {
     "rl_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
     "rl_store_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
     "rl_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
-    "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
+    "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
+                                   _I64, _F, _P, _INT]),
     "rl_extend_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
-                                   _INT]),
+                                   _I64, _F, _P, _INT]),
     "rl_moe_experts": (None, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT]),  # csrc/moe.c
 }
 
@@ -210,13 +211,30 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
                         loc.data_ptr(), n, heads * d)
 
 
+def _features(hq: int, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+              check: bool) -> tuple[int, float, int | None]:
+    """The optional attention features as the C kernels take them: (window or 0, softcap or 0, sinks' pointer)."""
+    if check:
+        if window is not None and window < 0 or softcap is not None and softcap < 0:
+            raise ValueError(f"window and softcap must be positive, got {window} and {softcap}")
+        if sinks is not None:
+            _f32("sinks", sinks, 1, contiguous=True)
+            if sinks.shape[0] != hq:
+                raise ValueError(f"sinks must hold one logit per query head ({hq}), got {sinks.shape[0]}")
+    return window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr()
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      check: bool = True) -> torch.Tensor:
     """One query per request over its first seq_lens[b] KV slots -> [bs, hq, d].
 
     q [bs, hq, d] (rows may be strided); k_buf, v_buf [slots, hkv, d]; req_to_token [rows, cols] int32;
     req_pool_indices, seq_lens [bs] int64. The slots themselves are trusted (the pool wrote them).
+    Optional, as transformers applies them: ``window`` (the query sees its last ``window`` keys),
+    ``softcap`` (scores become softcap * tanh(score / softcap)), ``sinks`` ([hq] float32 logits that join
+    each head's softmax denominator).
     """
     bs, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -224,10 +242,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         _check_paged(q, k_buf, v_buf, req_to_token, hq % hkv == 0)
         _indices("req_pool_indices", req_pool_indices, bs, req_to_token.shape[0])
         _indices("seq_lens", seq_lens, bs, req_to_token.shape[1] + 1)
+    feats = _features(hq, window, softcap, sinks, check)
     out = torch.empty(bs, hq, d)
     rc = _load().rl_decode_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                      req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
-                                     seq_lens.data_ptr(), out.data_ptr(), bs, hq, hkv, d, scale,
+                                     seq_lens.data_ptr(), out.data_ptr(), bs, hq, hkv, d, scale, *feats,
                                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
@@ -241,12 +260,15 @@ def extend_fits(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, q_start: torch.Tensor, prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, scale: float, *, check: bool = True) -> torch.Tensor:
+                     extend_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     check: bool = True) -> torch.Tensor:
     """Causal attention of each request's new tokens over its KV slots -> [tokens, hq, d].
 
     q [tokens, hq, d] (rows may be strided); request b's queries are rows q_start[b] ..
     q_start[b] + extend_lens[b] - 1, and query t sees the first prefix_lens[b] + t + 1 slots of its
-    req_to_token row, its own new k/v included (write them to the pool first). Index tensors: int64 [bs].
+    req_to_token row, its own new k/v included (write them to the pool first), the last ``window`` of
+    them with a window. Index tensors: int64 [bs]. ``window``, ``softcap``, ``sinks``: as decode_attention.
     """
     tokens, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -261,11 +283,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         if bs and (int((q_start + extend_lens).max()) > tokens
                    or int((prefix_lens + extend_lens).max()) > req_to_token.shape[1]):
             raise ValueError("a request's queries or slots run past q or its req_to_token row")
+    feats = _features(hq, window, softcap, sinks, check)
     out = torch.empty(tokens, hq, d)
     rc = _load().rl_extend_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                      req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
                                      q_start.data_ptr(), prefix_lens.data_ptr(), extend_lens.data_ptr(),
-                                     out.data_ptr(), bs, hq, hkv, d, scale, torch.get_num_threads())
+                                     out.data_ptr(), bs, hq, hkv, d, scale, *feats, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("extend attention could not allocate its buffers")
     return out
