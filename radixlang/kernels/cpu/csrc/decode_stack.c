@@ -71,6 +71,7 @@ typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm, k_norm: NULL where the family has none */
     rl_qweight qkv, o, gate_up, down;
     float *k_buf, *v_buf; /* this layer's KV pool [slots, kv_heads, head_dim] */
+    int64_t window;       /* sliding window (keys a query sees, itself included); 0: none */
 } rl_layer;
 
 /* One step: sizes, metadata and buffers; layer 0's input x starts the residual stream. */
@@ -133,10 +134,10 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
         rl_store_kv(s->qkv + q_size, W, s->qkv + q_size + kv_size, W, L->k_buf, L->v_buf, s->loc, m, kv_size);
         if (s->bs ? rl_extend_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
                                         s->q_start, s->prefix_lens, s->extend_lens, s->attn, s->bs, s->heads,
-                                        s->kv_heads, d, (float)s->scale, 0, 0.0f, NULL, nt)
+                                        s->kv_heads, d, (float)s->scale, L->window, 0.0f, NULL, nt)
                   : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
-                                        s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale, 0, 0.0f,
-                                        NULL, nt))
+                                        s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale,
+                                        L->window, 0.0f, NULL, nt))
             return -1;
         if (qlin(s, &L->o, s->attn, s->h)) return -1;
         rl_add_rms_norm(s->h, s->residual, L->ln2, m, H, eps, nt);
