@@ -187,6 +187,67 @@ def test_extend_attention_checks_its_metadata():
     assert not cpu.extend_fits(80, 4, 4) and not cpu.extend_fits(64, 6, 4) and cpu.extend_fits(128, 8, 2)
 
 
+def _featured_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale, window, softcap, sinks):
+    """Attention as transformers applies a sliding window (position i sees j when i - j < window), logit
+    soft-capping (after the scale) and sinks (one logit per head in each softmax's denominator), in float64."""
+    out = torch.empty(q.shape)
+    rep = q.shape[1] // k_buf.shape[1]
+    for b in range(len(req_idx)):
+        p, e, s = int(prefix[b]), int(ext[b]), int(q_start[b])
+        loc = r2t[req_idx[b], :p + e].long()
+        k = k_buf[loc].repeat_interleave(rep, 1).double()  # [L, hq, d]
+        v = v_buf[loc].repeat_interleave(rep, 1).double()
+        scores = torch.einsum("thd,lhd->htl", q[s:s + e].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        i, j = torch.arange(p, p + e)[:, None], torch.arange(p + e)[None, :]
+        seen = (j <= i) & ((i - j < window) if window else True)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, e, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[s:s + e] = torch.einsum("htl,lhd->thd", probs, v).float()
+    return out
+
+
+FEATURES = [(16, None, False), (None, 5.0, False), (None, None, True), (40, 8.0, True), (1, None, False)]
+
+
+@pytest.mark.parametrize("window,softcap,with_sinks", FEATURES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 16)])
+def test_decode_attention_with_window_softcap_and_sinks(hq, hkv, d, window, softcap, with_sinks):
+    torch.manual_seed(7)
+    reqs = [(p - 1, 1) for p in (1, 2, 16, 17, 41, 300)]  # a decode is an extend of one token
+    q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext = _extend_case(hq, hkv, d, reqs)
+    sinks = torch.randn(hq) * 2 if with_sinks else None
+    out = cpu.decode_attention(q, k_buf, v_buf, r2t, req_idx, prefix + 1, d ** -0.5, window=window,
+                               softcap=softcap, sinks=sinks)
+    expect = _featured_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, d ** -0.5, window, softcap,
+                                 sinks)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=5e-6)
+
+
+@pytest.mark.parametrize("window,softcap,with_sinks", FEATURES)
+def test_extend_attention_with_window_softcap_and_sinks(window, softcap, with_sinks):
+    torch.manual_seed(8)
+    hq, hkv, d = 6, 2, 64
+    args = _extend_case(hq, hkv, d, REQS)
+    sinks = torch.randn(hq) * 2 if with_sinks else None
+    out = cpu.extend_attention(*args, d ** -0.5, window=window, softcap=softcap, sinks=sinks)
+    expect = _featured_reference(*args, d ** -0.5, window, softcap, sinks)
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_features_are_checked():
+    q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext = _extend_case(4, 2, 64, [(3, 1)])
+    with pytest.raises(ValueError, match="one logit per query head"):
+        cpu.decode_attention(q, k_buf, v_buf, r2t, req_idx, prefix + 1, 1.0, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="must be positive"):
+        cpu.extend_attention(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, 1.0, window=-3)
+
+
 @pytest.mark.parametrize("bad", ["dtype", "stride"])
 def test_wrappers_refuse_what_the_c_code_cannot_read(bad):
     x = torch.randn(3, 16, dtype=torch.float64) if bad == "dtype" else torch.randn(16, 3).t()

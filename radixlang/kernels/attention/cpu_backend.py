@@ -9,8 +9,10 @@ kv head, as small register-blocked matrix products; 2-3x faster than the torch b
 and cascade paths on prefill and few-shot shapes. Head sizes the extend kernel does not take (not a
 multiple of 64) run the torch backend's extend. The new tokens' k/v are written with one copy per
 token. The default on the CPU whenever the kernels build here; ``attention_backend="torch"`` is the
-pure-PyTorch reference. The kernels take no sliding window, soft-capping, sinks or MLA: layers using
-one run the torch backend's plain or MLA path (same pool, same metadata step).
+pure-PyTorch reference. Both kernels take a layer's sliding window, logit soft-capping and attention
+sinks (Mistral, Qwen2 and Gemma 2/3 windows, Gemma 2's cap, GPT-OSS's sinks); MLA layers, and featured
+layers whose heads the extend kernel does not take, run the torch backend's MLA or plain path (same
+pool, same metadata step).
 """
 from __future__ import annotations
 
@@ -86,6 +88,21 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         qf = q.to(torch.float32)
         return qf if qf.stride(-1) == 1 and qf.stride(1) == qf.shape[2] else qf.contiguous()
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
+        if getattr(layer, "mla", None) is not None or (
+                not self._extend_kernel and not forward_batch.forward_mode.is_decode()):
+            return super().forward(q, k, v, layer, forward_batch)  # torch's MLA, plain or extend path
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch)
+        return self.forward_extend(q, k, v, layer, forward_batch)
+
+    @staticmethod
+    def _features(layer: AttentionLayerLike) -> dict:
+        sinks = getattr(layer, "sinks", None)
+        return {"window": getattr(layer, "sliding_window", None), "softcap": getattr(layer, "logit_softcap", None),
+                "sinks": None if sinks is None else sinks.detach().float().contiguous()}
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
         if not self._extend_kernel:
@@ -95,7 +112,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self._store(k, v, k_buf, v_buf, layer, forward_batch)
         q_start, prefix, extend = self._ext
         out = cpu_ops.extend_attention(self._query(q), k_buf, v_buf, forward_batch.req_to_token, self._req_idx,
-                                       q_start, prefix, extend, layer.scaling, check=False)
+                                       q_start, prefix, extend, layer.scaling, **self._features(layer), check=False)
         return out.to(q.dtype)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,5 +121,5 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         self._store(k, v, k_buf, v_buf, layer, forward_batch)
         out = cpu_ops.decode_attention(self._query(q), k_buf, v_buf, forward_batch.req_to_token, self._req_idx,
-                                       self._seq_lens, layer.scaling, check=False)
+                                       self._seq_lens, layer.scaling, **self._features(layer), check=False)
         return out.to(q.dtype)

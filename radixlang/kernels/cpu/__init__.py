@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from radixlang.kernels.cpu.build import BuildError, load_library
+from radixlang.kernels.cpu.build import MOE_SOURCE, BuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,11 @@ _SIGNATURES = {
     "rl_silu_mul": (None, [_P, _P, _I64, _I64, _INT]),
     "rl_store_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
     "rl_linear": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
-    "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT]),
+    "rl_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
+                                   _I64, _F, _P, _INT]),
     "rl_extend_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F,
-                                   _INT]),
+                                   _I64, _F, _P, _INT]),
+    "rl_moe_experts": (None, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT]),  # csrc/moe.c
 }
 
 
@@ -46,7 +48,7 @@ def _library() -> ctypes.CDLL | str:
     """The loaded library, or why it could not be built or loaded; computed once per process (two
     threads racing here may both build: the build renames a finished file into place)."""
     try:
-        return load_library(_SIGNATURES)
+        return load_library(_SIGNATURES, extra=(MOE_SOURCE,))
     except (BuildError, OSError, AttributeError) as e:
         logger.warning("radixlang CPU kernels unavailable, using torch ops: %s", e)
         return str(e)
@@ -160,6 +162,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                check: bool = True) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x) with SwiGLU experts (csrc/moe.c), for the few tokens of a
+    decode step: every routed expert's weights read once. x [n, hidden]; weights [n, k] float32; ids [n, k]
+    int64 in [0, E); w13 [E, 2 * inter, hidden] (gate rows, then up rows); w2 [E, hidden, inter]; hidden and
+    inter multiples of 4 -> a new [n, hidden]."""
+    n, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if check:
+        _f32("x", x, 2, contiguous=True)
+        _f32("weights", weights, 2, contiguous=True)
+        _f32("w13", w13, 3, contiguous=True)
+        _f32("w2", w2, 3, contiguous=True)
+        if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or hidden % 4 or inter % 4:
+            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
+                             f"(hidden and inter must be multiples of 4)")
+        if weights.shape != ids.shape or weights.shape[0] != n or not ids.is_contiguous():
+            raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{n}, k] "
+                             f"(ids contiguous)")
+        _indices("ids", ids.view(-1), ids.numel(), num_experts)
+    pairs = ids.numel()
+    out = torch.empty(n, hidden)
+    scratch = torch.empty(pairs * (2 * hidden + inter))
+    index = torch.empty(2 * pairs + num_experts + 1, dtype=torch.int64)
+    _load().rl_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                           out.data_ptr(), scratch.data_ptr(), index.data_ptr(), n, ids.shape[1], hidden, inter,
+                           num_experts, torch.get_num_threads())
+    return out
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, *,
              check: bool = True) -> None:
     """k_buf[loc] = k; v_buf[loc] = v. k, v [n, heads, d] (rows may be strided, e.g. views into qkv);
@@ -179,13 +211,30 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
                         loc.data_ptr(), n, heads * d)
 
 
+def _features(hq: int, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+              check: bool) -> tuple[int, float, int | None]:
+    """The optional attention features as the C kernels take them: (window or 0, softcap or 0, sinks' pointer)."""
+    if check:
+        if window is not None and window < 0 or softcap is not None and softcap < 0:
+            raise ValueError(f"window and softcap must be positive, got {window} and {softcap}")
+        if sinks is not None:
+            _f32("sinks", sinks, 1, contiguous=True)
+            if sinks.shape[0] != hq:
+                raise ValueError(f"sinks must hold one logit per query head ({hq}), got {sinks.shape[0]}")
+    return window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr()
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      check: bool = True) -> torch.Tensor:
     """One query per request over its first seq_lens[b] KV slots -> [bs, hq, d].
 
     q [bs, hq, d] (rows may be strided); k_buf, v_buf [slots, hkv, d]; req_to_token [rows, cols] int32;
     req_pool_indices, seq_lens [bs] int64. The slots themselves are trusted (the pool wrote them).
+    Optional, as transformers applies them: ``window`` (the query sees its last ``window`` keys),
+    ``softcap`` (scores become softcap * tanh(score / softcap)), ``sinks`` ([hq] float32 logits that join
+    each head's softmax denominator).
     """
     bs, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -193,10 +242,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         _check_paged(q, k_buf, v_buf, req_to_token, hq % hkv == 0)
         _indices("req_pool_indices", req_pool_indices, bs, req_to_token.shape[0])
         _indices("seq_lens", seq_lens, bs, req_to_token.shape[1] + 1)
+    feats = _features(hq, window, softcap, sinks, check)
     out = torch.empty(bs, hq, d)
     rc = _load().rl_decode_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                      req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
-                                     seq_lens.data_ptr(), out.data_ptr(), bs, hq, hkv, d, scale,
+                                     seq_lens.data_ptr(), out.data_ptr(), bs, hq, hkv, d, scale, *feats,
                                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
@@ -210,12 +260,15 @@ def extend_fits(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, q_start: torch.Tensor, prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, scale: float, *, check: bool = True) -> torch.Tensor:
+                     extend_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     check: bool = True) -> torch.Tensor:
     """Causal attention of each request's new tokens over its KV slots -> [tokens, hq, d].
 
     q [tokens, hq, d] (rows may be strided); request b's queries are rows q_start[b] ..
     q_start[b] + extend_lens[b] - 1, and query t sees the first prefix_lens[b] + t + 1 slots of its
-    req_to_token row, its own new k/v included (write them to the pool first). Index tensors: int64 [bs].
+    req_to_token row, its own new k/v included (write them to the pool first), the last ``window`` of
+    them with a window. Index tensors: int64 [bs]. ``window``, ``softcap``, ``sinks``: as decode_attention.
     """
     tokens, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -230,11 +283,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         if bs and (int((q_start + extend_lens).max()) > tokens
                    or int((prefix_lens + extend_lens).max()) > req_to_token.shape[1]):
             raise ValueError("a request's queries or slots run past q or its req_to_token row")
+    feats = _features(hq, window, softcap, sinks, check)
     out = torch.empty(tokens, hq, d)
     rc = _load().rl_extend_attention(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                      req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
                                      q_start.data_ptr(), prefix_lens.data_ptr(), extend_lens.data_ptr(),
-                                     out.data_ptr(), bs, hq, hkv, d, scale, torch.get_num_threads())
+                                     out.data_ptr(), bs, hq, hkv, d, scale, *feats, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("extend attention could not allocate its buffers")
     return out

@@ -20,6 +20,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_ops.c"
 QUANT_VNNI_SOURCE = Path(__file__).parent / "csrc" / "quant_vnni.c"
 DECODE_STACK_SOURCE = Path(__file__).parent / "csrc" / "decode_stack.c"
+MOE_SOURCE = Path(__file__).parent / "csrc" / "moe.c"
+HEADERS = (Path(__file__).parent / "csrc" / "vec.h",)  # included by the sources: part of every cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -58,7 +60,7 @@ def library_path(source: Path | None = None, extra: tuple[Path, ...] = ()) -> Pa
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cc} --version failed: {e}") from e
-    texts = [source.read_text(), *(p.read_text() for p in extra)]
+    texts = [source.read_text(), *(p.read_text() for p in (*extra, *HEADERS))]
     key = hashlib.sha256("\0".join([*texts, cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():

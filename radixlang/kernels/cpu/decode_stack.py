@@ -52,7 +52,7 @@ class QWeight(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", _P), ("ln2", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", QWeight), ("o", QWeight),
-                ("gate_up", QWeight), ("down", QWeight), ("k_buf", _P), ("v_buf", _P)]
+                ("gate_up", QWeight), ("down", QWeight), ("k_buf", _P), ("v_buf", _P), ("window", _I64)]
 
 
 class Step(ctypes.Structure):

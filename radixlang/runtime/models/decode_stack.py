@@ -7,10 +7,10 @@ the same kernels from C instead, every layer in one call: the embeddings and the
 Python, and so does every step it does not take (prefill, more than ``KERNEL_MAX_ROWS`` rows, a
 backend other than the CPU kernels'), which the layers run as before.
 
-It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms and q/k/v
-biases) on QuantLinear weights, with the compiled norms and rotary, and no sliding window,
-soft-capping or sinks: Llama, SmolLM, Mistral without a window, Qwen2, Qwen3 served from a quantized
-GGUF or with ``--quantization int4``; and on float32 PackedLinears with their row-major copy (the default
+It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms, q/k/v biases
+and a sliding window per layer) on QuantLinear weights, with the compiled norms and rotary, and no
+soft-capping or sinks: Llama, SmolLM, Mistral, Qwen2, Qwen3 served from a quantized GGUF or with
+``--quantization int4``; and on float32 PackedLinears with their row-major copy (the default
 float32 CPU path) for the 1-4 row steps whose small-row matmul is the C kernel (``float32_rows``: the
 step calls that kernel; where calibration picked another, those steps run layer by layer). ``build`` says
 why not otherwise (logged once at load).
@@ -49,8 +49,8 @@ def why_not(model: Any) -> str | None:
                 or type(layer)._after_attention is not DecoderLayer._after_attention
                 or type(attn).attend is not Attention.attend or type(mlp).forward is not MLP.forward):
             return f"layer {i} is not the plain Llama layer ({type(layer).__name__})"
-        if attn.sliding_window or attn.logit_softcap or attn.sinks is not None:
-            return f"layer {i} has a sliding window, soft-capping or sinks"
+        if attn.logit_softcap or attn.sinks is not None:
+            return f"layer {i} has soft-capping or sinks"
         if not mlp.fused:
             return f"layer {i}'s MLP activation is {mlp.act_name}, not silu"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -147,7 +147,7 @@ class DecodeStack:
                               *(ds.QWeight.of_float(lin.plain, lin.bias) if self.float32 else
                                 ds.QWeight.of(lin.weight_q, lin.bias)
                                 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                              k.data_ptr(), v.data_ptr())
+                              k.data_ptr(), v.data_ptr(), attn.sliding_window or 0)
         self._pool, self._layers = pool, arr
         return arr
 

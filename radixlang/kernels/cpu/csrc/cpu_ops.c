@@ -17,73 +17,7 @@
 #define PAR_MIN 32768
 #define PREFETCH 4
 
-/* exp(x) for the softmax and SiLU: 2^k * exp(r) with r = x - k ln2 (ln2 split in two for precision)
- * and a degree-6 polynomial for exp(r) on |r| <= ln2/2 (Cephes' coefficients); relative error ~2e-7.
- * Inputs are clamped to [-87, 88], so exp of a very negative number is ~1e-38 rather than 0.
- * Written on GCC/Clang vector types, 16 floats at a time, because the compiler does not vectorize
- * the float-to-bits step of a scalar version; rl_exp_n applies it to an array. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* unaligned 16-float loads and stores (memcpy is how C spells them; it compiles to one instruction) */
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
-
-static inline float hsum16(v16f v) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-}
-
-/* sixteen 16-lane vectors -> one vector whose lane i is the sum of v[i]: a transposing tree of
- * shuffles and adds (45 operations where sixteen separate horizontal sums take ~130) */
-#if defined(__clang__)
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#endif
-static inline v16f hsum16x16(v16f *v) {
-    v16f h[8], q[4], e[2];
-    for (int p = 0; p < 8; p++)  /* lanes 0-7: key 2p (two halves added), 8-15: key 2p + 1 */
-        h[p] = SHUF(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int p = 0; p < 4; p++)  /* four lanes per key */
-        q[p] = SHUF(h[2 * p], h[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(h[2 * p], h[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int p = 0; p < 2; p++)  /* two lanes per key */
-        e[p] = SHUF(q[2 * p], q[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(q[2 * p], q[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-static inline v16f rl_exp16(v16f x) {
-    const v16f lo = (v16f){0} - 87.0f, hi = (v16f){0} + 88.0f;
-    v16i below = x < lo, above = x > hi;
-    x = (v16f)((below & (v16i)lo) | (above & (v16i)hi) | (~(below | above) & (v16i)x));
-    v16f y = x * 1.44269504088896341f + 0.5f;
-    v16i k = __builtin_convertvector(y, v16i);  /* truncates: step down where y < 0 to get floor */
-    k += (v16i)(__builtin_convertvector(k, v16f) > y);
-    v16f kf = __builtin_convertvector(k, v16f);
-    v16f r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v16f e = p * r * r + r + 1.0f;
-    return e * (v16f)((k + 127) << 23);
-}
-
-static inline float rl_exp(float x) {
-    v16f v = (v16f){0} + x;
-    return rl_exp16(v)[0];
-}
+#include "vec.h"
 
 /* x[i] = exp(x[i] - shift) for i < n; returns the sum of the results */
 static inline float rl_exp_n(float *x, int64_t n, float shift) {
@@ -189,10 +123,53 @@ void rl_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
  * r2t_stride per row). out: [bs, hq, d] contiguous. Grouped-query attention: the rep = hq / hkv query
  * heads of a kv head are scored together, so each key and value row is read once per request and kv
  * head. Work items are (request, kv head) pairs; an item keeps its scores whole (an exact softmax) in
- * a per-thread buffer of rep * max(seq_lens) floats. */
+ * a per-thread buffer of rep * max(seq_lens) floats.
+ * Optional features (rl_attn_features, as transformers applies them): a sliding window (the query sees its
+ * last `window` keys, itself included), soft-capping of the scaled scores (cap * tanh(s / cap)), and a sink
+ * logit per query head that joins each softmax's denominator only (GPT-OSS). */
+typedef struct {
+    int64_t window;      /* 0: none */
+    float softcap;       /* 0: none */
+    const float *sinks;  /* [hq] or NULL */
+} rl_attn_features;
+
+/* s[t] = cap * tanh(s[t] / cap) for t < n, as sign(u) (1 - e) / (1 + e) with e = exp(-2 |u|), u = s / cap */
+static void softcap_n(float *s, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const v16f u = load16(s + t) * inv;
+        const v16i sign = (v16i)u & (int32_t)0x80000000;
+        const v16f a = (v16f)((v16i)u ^ sign);  /* |u| */
+        const v16f e = rl_exp16(a * -2.0f), th = (1.0f - e) / (1.0f + e);
+        store16(s + t, (v16f)((v16i)th ^ sign) * cap);
+    }
+    for (; t < n; t++) {
+        const float u = s[t] * inv, a = u < 0 ? -u : u, e = rl_exp(-2.0f * a), th = (1.0f - e) / (1.0f + e);
+        s[t] = (u < 0 ? -th : th) * cap;
+    }
+}
+
+/* the softmax of s[0 .. n) in place, unnormalised; returns 1 / its sum, the sink's exp(sink - max) counted */
+static inline float softmax_n(float *s, int64_t n, const rl_attn_features *f, int64_t head) {
+    if (f->softcap > 0.0f) softcap_n(s, n, f->softcap);
+    float mx = s[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    const float sink = f->sinks ? f->sinks[head] : 0.0f;
+    if (f->sinks && sink > mx) mx = sink;
+    float sum = rl_exp_n(s, n, mx);
+    if (f->sinks) sum += rl_exp(sink - mx);
+    return 1.0f / sum;
+}
+
 static inline __attribute__((always_inline)) void decode_item(
     const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots, int64_t len,
-    int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores, const int64_t d) {
+    int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores, const rl_attn_features *f, const int64_t d) {
+    if (f->window > 0 && len > f->window) {  /* the query (position len - 1) sees the last `window` keys */
+        slots += len - f->window;
+        len = f->window;
+    }
     /* slots need not be adjacent (a pool that has served many requests hands out scattered ones):
      * fetch the row PREFETCH tokens ahead. Sixteen keys at a time when d is a multiple of 16: each
      * query row's sixteen dot products are reduced together (hsum16x16) */
@@ -222,11 +199,8 @@ static inline __attribute__((always_inline)) void decode_item(
         for (int64_t r = 0; r < rep; r++) scores[r * len + t] = rl_dot(q + r * d, kt, d) * scale;
     }
     for (int64_t r = 0; r < rep; r++) {
-        float *sr = scores + r * len, mx = sr[0], sum;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
-        sum = rl_exp_n(sr, len, mx);
-        const float inv = 1.0f / sum;
+        float *sr = scores + r * len;
+        const float inv = softmax_n(sr, len, f, h * rep + r);
 #pragma omp simd
         for (int64_t t = 0; t < len; t++) sr[t] *= inv;
     }
@@ -245,20 +219,23 @@ static inline __attribute__((always_inline)) void decode_item(
 
 /* the usual head sizes get their own copies, with d a constant the compiler unrolls */
 static void decode_item_64(const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots,
-                           int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores) {
-    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, 64);
+                           int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores,
+                           const rl_attn_features *f) {
+    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, f, 64);
 }
 
 static void decode_item_128(const float *q, float *o, const float *k_buf, const float *v_buf, const int32_t *slots,
-                            int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores) {
-    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, 128);
+                            int64_t len, int64_t h, int64_t rep, int64_t kv_row, float scale, float *scores,
+                            const rl_attn_features *f) {
+    decode_item(q, o, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, f, 128);
 }
 
 int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *seq_lens, float *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                        float scale, int nthreads) {
+                        float scale, int64_t window, float softcap, const float *sinks, int nthreads) {
     const int64_t rep = hq / hkv, items = bs * hkv, kv_row = hkv * d;
+    const rl_attn_features feat = {window, softcap, sinks}, *f = &feat;
     int64_t max_len = 1;
     for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int failed = 0;
@@ -278,11 +255,11 @@ int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, co
             if (scores == NULL || len <= 0) {
                 memset(oh, 0, sizeof(float) * rep * d);
             } else if (d == 64) {
-                decode_item_64(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores);
+                decode_item_64(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, f);
             } else if (d == 128) {
-                decode_item_128(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores);
+                decode_item_128(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, f);
             } else {
-                decode_item(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, d);
+                decode_item(qh, oh, k_buf, v_buf, slots, len, h, rep, kv_row, scale, scores, f, d);
             }
         }
         free(scores);
@@ -398,8 +375,10 @@ static inline int64_t ext_chunks(int64_t n) { return (n + EXT_CHUNK - 1) / EXT_C
 int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *q_start, const int64_t *prefix_len, const int64_t *ext_len, float *out,
-                        int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int nthreads) {
+                        int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap,
+                        const float *sinks, int nthreads) {
     const int64_t rep = hq / hkv, kv_row = hkv * d, rows_max = rep * EXT_QB;
+    const rl_attn_features feat = {window, softcap, sinks}, *f = &feat;
     int64_t items = 0, nk_max = 32;
     for (int64_t b = 0; b < bs; b++) {
         items += hkv * ext_chunks(ext_len[b]);
@@ -426,8 +405,12 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
             }
             const int64_t h = rest % hkv, t_begin = (rest / hkv) * EXT_CHUNK;
             const int64_t t_end = ext_len[b] - t_begin < EXT_CHUNK ? ext_len[b] : t_begin + EXT_CHUNK;
-            const int64_t nk_all = prefix_len[b] + t_end, ks = (nk_all + 31) / 32 * 32;
-            const int32_t *slots = req_to_token + req_idx[b] * r2t_stride;
+            /* key indices below are relative to k0: with a window, the chunk's first query (position
+             * prefix + t_begin) sees no key before it, nor does any later query */
+            const int64_t first = prefix_len[b] + t_begin;
+            const int64_t k0 = window > 0 && first + 1 > window ? first + 1 - window : 0;
+            const int64_t nk_all = prefix_len[b] + t_end - k0, ks = (nk_all + 31) / 32 * 32;
+            const int32_t *slots = req_to_token + req_idx[b] * r2t_stride + k0;
             /* keys transposed, kt[c][j] = k(slot j)[h][c] (row stride ks), 16 keys at a time so that each
              * store run fills a cache line; the padding keys are zero (their scores are masked) */
             for (int64_t j0 = 0; j0 < nk_all; j0 += 16) {
@@ -442,7 +425,7 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
             for (int64_t c = 0; c < d; c++) memset(kt + c * ks + nk_all, 0, sizeof(float) * (ks - nk_all));
             for (int64_t t0 = t_begin; t0 < t_end; t0 += EXT_QB) {
                 const int64_t nt = t_end - t0 < EXT_QB ? t_end - t0 : EXT_QB;
-                const int64_t nk = prefix_len[b] + t0 + nt, nk_pad = (nk + 31) / 32 * 32, rows = nt * rep;
+                const int64_t nk = prefix_len[b] + t0 + nt - k0, nk_pad = (nk + 31) / 32 * 32, rows = nt * rep;
                 /* query row i = token t0 + i / rep, head h * rep + i % rep; rows past the end repeat the last */
                 const float *qr[8];
                 float *sr[8];
@@ -454,14 +437,13 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
                     }
                     for (int64_t j0 = 0; j0 < nk_pad; j0 += 32) ext_scores(qr, kt, ks, j0, d, scale, sr);
                 }
-                for (int64_t i = 0; i < rows; i++) {
-                    float *s = sc + i * nk_pad, mx;
-                    const int64_t valid = prefix_len[b] + t0 + i / rep + 1;
-                    mx = s[0];
-#pragma omp simd reduction(max : mx)
-                    for (int64_t j = 1; j < valid; j++) mx = s[j] > mx ? s[j] : mx;
-                    inv[i] = 1.0f / rl_exp_n(s, valid, mx);
-                    memset(s + valid, 0, sizeof(float) * (nk_pad - valid));
+                for (int64_t i = 0; i < rows; i++) {  /* query position pos sees keys lo .. end - 1 */
+                    float *s = sc + i * nk_pad;
+                    const int64_t pos = prefix_len[b] + t0 + i / rep, end = pos + 1 - k0;
+                    const int64_t lo = window > 0 && pos + 1 > window ? pos + 1 - window - k0 : 0;
+                    inv[i] = softmax_n(s + lo, end - lo, f, h * rep + i % rep);
+                    memset(s, 0, sizeof(float) * lo);
+                    memset(s + end, 0, sizeof(float) * (nk_pad - end));
                 }
                 const float *pr[EXT_PVR];
                 float *orow[EXT_PVR], spare[EXT_PVR][256];
@@ -475,7 +457,7 @@ int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, co
                                            : spare[r];
                     }
                     const int64_t last = i0 + EXT_PVR - 1 < rows ? i0 + EXT_PVR - 1 : rows - 1;
-                    const int64_t nk_rows = prefix_len[b] + t0 + last / rep + 1;
+                    const int64_t nk_rows = prefix_len[b] + t0 + last / rep + 1 - k0;
                     for (int64_t c0 = 0; c0 < d; c0 += 64)
                         ext_pv(pr, v_buf, slots, nk_rows, h * d, kv_row, c0, iv, orow);
                 }

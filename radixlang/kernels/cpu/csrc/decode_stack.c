@@ -33,13 +33,14 @@ void rl_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
 int rl_extend_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *q_start, const int64_t *prefix_len, const int64_t *ext_len, float *out,
-                        int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int nthreads);
+                        int64_t bs, int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap,
+                        const float *sinks, int nthreads);
 void rl_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                int nthreads);
 int rl_decode_attention(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
                         const int32_t *req_to_token, int64_t r2t_stride, const int64_t *req_idx,
                         const int64_t *seq_lens, float *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                        float scale, int nthreads);
+                        float scale, int64_t window, float softcap, const float *sinks, int nthreads);
 void rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
                   const float *offsets, const float *bias, float *y, int64_t N, int nthreads);
 void rl_q8_linear(const float *x, int64_t M, int64_t K, int64_t G, const int8_t *codes, const float *scales,
@@ -70,6 +71,7 @@ typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm; /* q_norm, k_norm: NULL where the family has none */
     rl_qweight qkv, o, gate_up, down;
     float *k_buf, *v_buf; /* this layer's KV pool [slots, kv_heads, head_dim] */
+    int64_t window;       /* sliding window (keys a query sees, itself included); 0: none */
 } rl_layer;
 
 /* One step: sizes, metadata and buffers; layer 0's input x starts the residual stream. */
@@ -132,9 +134,10 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
         rl_store_kv(s->qkv + q_size, W, s->qkv + q_size + kv_size, W, L->k_buf, L->v_buf, s->loc, m, kv_size);
         if (s->bs ? rl_extend_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
                                         s->q_start, s->prefix_lens, s->extend_lens, s->attn, s->bs, s->heads,
-                                        s->kv_heads, d, (float)s->scale, nt)
+                                        s->kv_heads, d, (float)s->scale, L->window, 0.0f, NULL, nt)
                   : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
-                                        s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale, nt))
+                                        s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale,
+                                        L->window, 0.0f, NULL, nt))
             return -1;
         if (qlin(s, &L->o, s->attn, s->h)) return -1;
         rl_add_rms_norm(s->h, s->residual, L->ln2, m, H, eps, nt);
