@@ -131,7 +131,7 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
         want = hf_tensor_name(gname, arch, n_experts or 0)
         assert want.format(e=0) in checkpoint, (gname, want)
         key = gname.split(".")[2] if gname.startswith("blk.") else gname.split(".")[0]
-        qtype = (quant or {}).get(key) if arr.ndim == 2 else None
+        qtype = (quant or {}).get(key) if arr.ndim in (2, 3) else None  # 3-D: stacked experts
         if qtype is None:
             w.add_tensor(gname, np.ascontiguousarray(arr))
         else:
@@ -335,3 +335,49 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
     b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
     assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypatch, family):
+    """A MoE file's stacked expert tensors (Q4_0 gate and up, Q8_0 down, as Q4_K_M files mix a 4-bit and an
+    8-bit layout) become QuantExperts and are never loaded as float32; prompt log-probabilities match the
+    same file run dequantized (--dtype float32) and the greedy tokens agree."""
+    import gguf
+
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_experts import QuantExperts
+    from radixlang.runtime.models.layers.moe import Experts
+
+    arch, hf_arch, _, overrides = MORE_FAMILIES[family]
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "moe.gguf")
+    t = gguf.GGMLQuantizationType
+    _write_gguf(folder, path, arch, quant={"ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q4_0, "ffn_down_exps": t.Q8_0,
+                                           "attn_q": t.Q8_0, "attn_k": t.Q8_0, "attn_v": t.Q8_0})
+    ids = PROMPTS[0]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    kw = dict(model_path=path, max_total_tokens=512)
+    with Engine(**kw) as quantized:
+        model = quantized.scheduler.runner.model
+        moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
+        assert moe_layers and all(isinstance(m.experts, QuantExperts) for m in moe_layers)
+        assert {m.experts.source_type for m in moe_layers} == {"Q4_0/Q8_0"}
+        assert not any(isinstance(m, Experts) for m in model.modules())
+        assert {f"layers.{i}.mlp.experts.w13" for i, layer in enumerate(model.layers)
+                if hasattr(layer.mlp, "experts")} <= model.deferred_params
+        assert not any(p.is_meta for p in model.parameters())
+        got = quantized.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                 logprob_start_len=0)
+        tokens = quantized.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
+    with Engine(**kw, dtype="float32") as plain:
+        assert all(isinstance(layer.mlp.experts, Experts) for layer in plain.scheduler.runner.model.layers
+                   if hasattr(layer.mlp, "experts"))
+        want = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+        want_tokens = plain.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
+    a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
+    b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
+    assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3
+    assert tokens == want_tokens

@@ -24,7 +24,6 @@ from radixlang.runtime.models.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.gguf_weights import (
     CONFIG_TENSORS, DEEPSEEK_V3, MIXTRAL, GGUFArch, check_readable, dequantize_tensor, file_arch, hf_shape,
 )
-from radixlang.runtime.models.gguf_weights import restore_layout as restore_layout  # gguf_quant's import
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ holds up to one rounding. With float32 activations, outputs match the ``--dtype 
 file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
 activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
 Tensors of other types (F16, Q5_0, Q2_K, ...) keep their dequantized float32 weights, with a log line
-naming them. q/k/v and gate/up are stacked into the model's fused projections (Phi-3's files hold them
+naming them. A MoE layer's stacked expert tensors are served the same way (gguf_experts.py). q/k/v and
+gate/up are stacked into the model's fused projections (Phi-3's files hold them
 fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized
 embedding table. Decoding the blocks is gguf_blocks.py.
 
@@ -50,6 +51,8 @@ from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_blocks import LAYOUTS, NATIVE_TYPES, DecodedBlocks, decode_tensor
+from radixlang.runtime.models.gguf_file import read_gguf
+from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
 from radixlang.runtime.models.parallel import TPComm, column_part_rows, padded_vocab
 
 logger = logging.getLogger(__name__)
@@ -138,9 +141,7 @@ TP_INPUT_ALIGN = 32
 
 def gguf_file_types(path: str) -> dict[str, str]:
     """{tensor name: GGUF type name} of a GGUF file (reads only its header)."""
-    import gguf
-
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    return {t.name: t.tensor_type.name for t in read_gguf(path).tensors}
 
 
 def is_quantized_gguf(path: str) -> bool:
@@ -201,7 +202,7 @@ def _rank_shape(model: nn.Module, target: str, rows: dict[str, int], cols: int) 
 
 
 def _plan(model: nn.Module, reader: Any) -> _Plan:
-    linears = _FUSED_LINEARS.get(reader.fields["general.architecture"].contents(), _LINEARS)
+    linears = _FUSED_LINEARS.get(reader.fields["general.architecture"], _LINEARS)
     pieces: dict[tuple[int, str], list[Any]] = {}
     kept: list[str] = []
     unaligned: list[str] = []
@@ -251,10 +252,11 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
 def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
     """The names of the parameters ``apply_gguf_quantization_`` will replace (from the file's header), so
     that loading can leave them unfilled: the float32 copies of those weights are never made."""
-    import gguf
 
-    plan = _plan(model, gguf.GGUFReader(gguf_path))
+    reader = read_gguf(gguf_path)
+    plan = _plan(model, reader)
     names = {f"layers.{layer_id}.{'.'.join(_ROOMS[target])}.weight" for layer_id, target in plan.swaps}
+    names |= expert_param_names(plan_experts(model, reader, align=TP_INPUT_ALIGN)[0])
     if plan.logits is not None and getattr(model, "lm_head", None) is not None:
         names.add("lm_head.weight")
     return names
@@ -266,13 +268,12 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
     q/k/v, gate/up and the logits; whole groups of o_proj's and down_proj's input features), each part of a
     fused projection sliced alone. Refuses a model left with a parameter that loading skipped and no swap
     replaced."""
-    import gguf
 
-    from radixlang.runtime.models.gguf_convert import restore_layout
+    from radixlang.runtime.models.gguf_weights import restore_layout
 
-    reader = gguf.GGUFReader(gguf_path)
+    reader = read_gguf(gguf_path)
     plan = _plan(model, reader)
-    arch = reader.fields["general.architecture"].contents()
+    arch = reader.fields["general.architecture"]
     n_head = model.config.num_attention_heads
     n_kv = getattr(model.config, "num_key_value_heads", None) or n_head
     tp: TPComm | None = getattr(model, "tp", None)
@@ -313,6 +314,9 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
                 else RowParallelQuantLinear(weight, bias, kinds, tp=tp))
         for t in swap.tensors:
             swapped[t.tensor_type.name] = swapped.get(t.tensor_type.name, 0) + 1
+    expert_swaps, expert_kept = plan_experts(model, reader, align=TP_INPUT_ALIGN)
+    for kind, n in apply_experts_(model, expert_swaps).items():
+        swapped[kind] = swapped.get(kind, 0) + n
     if plan.logits is not None:
         kind = plan.logits.tensor_type.name
         head = blocks(plan.logits)
@@ -327,7 +331,7 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
     unset = [name for name, p in model.named_parameters() if p.is_meta]
     if unset:
         raise RuntimeError(f"parameters left unloaded for the GGUF blocks and not replaced: {unset[:5]}")
-    kept = plan.kept
+    kept = plan.kept + expert_kept
     if kept:
         logger.info("GGUF tensors kept dequantized to float32: %s",
                     ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else ""))

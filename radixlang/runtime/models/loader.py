@@ -20,7 +20,7 @@ from torch import nn
 
 from radixlang.runtime.models.gguf_convert import ensure_converted, gguf_of_folder
 from radixlang.runtime.models.gguf_weights import gguf_weights
-from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
+from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, expert_param_name
 from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
@@ -162,7 +162,11 @@ def _deferred_filter(deferred: frozenset[str], checkpoint_name: Callable[[str], 
         return None
 
     def skip(name: str) -> bool:
-        parts = checkpoint_name(name.removeprefix("model.")).split(".")
+        own = checkpoint_name(name.removeprefix("model."))
+        stacked = expert_param_name(own)
+        if stacked is not None:
+            return stacked in deferred
+        parts = own.split(".")
         if len(parts) >= 2:
             parts[-2] = _FUSED.get(parts[-2], parts[-2])
         return ".".join(parts) in deferred

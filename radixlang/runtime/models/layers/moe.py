@@ -180,6 +180,12 @@ class SparseMoE(nn.Module):
         return out
 
 
+def expert_param_name(name: str) -> str | None:
+    """The stacked parameter (…experts.w13 / …experts.w2) a checkpoint expert tensor loads into, or None."""
+    m = _EXPERT.match(name)
+    return None if m is None else f"{m['owner']}.{_PART[m['part']][0]}"
+
+
 def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str],
                        tp: TPComm | None = None) -> bool:
     """Copy one expert's checkpoint tensor (this rank's slice of it under ``tp``) into the stacked w13 / w2;
@@ -196,12 +202,14 @@ def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Par
     param, e = params[pname], int(m["expert"])
     if e >= param.shape[0]:
         raise ValueError(f"unexpected weight {name!r}: the model has {param.shape[0]} experts")
+    seen.add(f"{pname}:{e}:{m['part']}")
+    if tensor.is_meta:  # a deferred parameter (a quantized GGUF's experts): its module is replaced unloaded
+        return True
     if half is None:
         param.data[e].copy_(tensor)
     else:
         inter = param.shape[1] // 2
         param.data[e, half * inter:(half + 1) * inter].copy_(tensor)
-    seen.add(f"{pname}:{e}:{m['part']}")
     return True
 
 
