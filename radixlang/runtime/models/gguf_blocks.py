@@ -15,6 +15,10 @@ LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": (
            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
 NATIVE_TYPES = tuple(LAYOUTS)
 
+# up to this many rows the kernel (which decodes each weight group once per 4 rows) is used; past it the
+# weight is dequantized once for the call and the rows run through a float32 GEMM
+KERNEL_MAX_ROWS = 16
+
 
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]

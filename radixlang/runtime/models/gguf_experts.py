@@ -19,7 +19,8 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import LAYOUTS, NATIVE_TYPES, DecodedBlocks, decode_tensor
+from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks,
+                                                  decode_tensor)
 from radixlang.runtime.models.layers.moe import Experts, dispatch
 from radixlang.runtime.models.parallel import TPComm
 
@@ -66,7 +67,6 @@ class QuantExperts(nn.Module):
 
 
 def _linear(x: torch.Tensor, w: qk.QuantWeight) -> torch.Tensor:
-    from radixlang.runtime.models.gguf_quant import KERNEL_MAX_ROWS
     if x.shape[0] <= KERNEL_MAX_ROWS:
         return qk.linear(x.contiguous(), w)
     return F.linear(x, qk.dequantize(w))

@@ -50,16 +50,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import LAYOUTS, NATIVE_TYPES, DecodedBlocks, decode_tensor
+from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks,
+                                                  decode_tensor)
 from radixlang.runtime.models.gguf_file import read_gguf
 from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
 from radixlang.runtime.models.parallel import TPComm, column_part_rows, padded_vocab
 
 logger = logging.getLogger(__name__)
 
-# up to this many rows the kernel (which decodes each weight group once per 4 rows) is used; past it the
-# weight is dequantized once for the call and the rows run through a float32 GEMM
-KERNEL_MAX_ROWS = 16
 
 
 class QuantLinear(nn.Module):
