@@ -1,6 +1,7 @@
 """Tiny random-weight models for tests: a config folder plus the embedded model's tokenizer."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -16,9 +17,11 @@ def smollm_dir() -> str:
     return resolve_model_dir(None)
 
 
+@functools.cache
 def smollm_hf_model():
     """transformers' own SmolLM2-135M-Instruct in float32, read from the embedded GGUF by transformers'
-    GGUF loader (the converted folder holds no weights for it to read)."""
+    GGUF loader (the converted folder holds no weights for it to read). Loaded once per test process
+    (~20 s); callers only read it."""
     import torch
     from transformers import AutoModelForCausalLM
 
