@@ -20,20 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum16(v16f v) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-}
+#include "vec.h"
 
 /* 16 bytes -> 16 int32 lanes (zero- or sign-extended): one vpmovzxbd / vpmovsxbd with AVX-512, else
  * whatever the compiler makes of the portable loop (two AVX2 widenings) */

@@ -1,4 +1,4 @@
-/* Vector helpers shared by radixlang's float32 kernels (cpu_ops.c, moe.c): 16-float vectors on GCC/Clang
+/* Vector helpers shared by radixlang's kernels (cpu_ops.c, moe.c, quant_ops.c): 16-float vectors on GCC/Clang
  * vector types, which the compiler lowers to one zmm register with AVX-512 and two ymm with AVX2
  * (-march=native picks), loads and stores, horizontal sums, and exp. */
 #ifndef RL_VEC_H
