@@ -13,6 +13,7 @@ import pytest
 
 from radixlang import Engine
 from tiny_model import FAMILIES, MLA_FAMILIES, save_tiny_hf_model
+from tp_runs import SHARED, all_logprobs, run_shared_prefix
 
 pytestmark = pytest.mark.e2e
 
@@ -20,24 +21,6 @@ pytestmark = pytest.mark.e2e
 # variant (Qwen2's covers the window)
 TP_FAMILIES = ("qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
                "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
-SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-
-
-def _run(engine: Engine) -> list[dict]:
-    kw = dict(sampling_params=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
-    first = engine.generate(input_ids=[SHARED + [5, 6], list(range(300, 321))], **kw)
-    # its prefix comes from the radix cache (no prompt logprobs asked, so the cached prefix is not recomputed)
-    second = engine.generate(input_ids=SHARED + [9, 8, 7], sampling_params=GREEDY, return_logprob=True,
-                             top_logprobs_num=2)
-    engine.check_memory_leak()
-    return first + [second]
-
-
-def _logprobs(out: dict) -> list[float]:
-    meta = out["meta_info"]
-    vals = [lp for lp, _, _ in meta["input_token_logprobs"] + meta["output_token_logprobs"] if lp is not None]
-    return vals + [lp for row in meta["output_top_logprobs"] for lp, _, _ in row]
 
 
 @pytest.mark.parametrize("name", TP_FAMILIES)
@@ -46,7 +29,7 @@ def test_tp2_matches_tp1(name, tmp_path):
     folder = save_tiny_hf_model(str(tmp_path / name), arch, seed=5, **overrides)
     kw = dict(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
-        want = _run(single)
+        want = run_shared_prefix(single)
     with Engine(**kw, tp_size=2) as engine:
         model = engine.scheduler.runner.model
         assert model.num_heads == 3  # this rank's half of the 6 heads
@@ -61,9 +44,9 @@ def test_tp2_matches_tp1(name, tmp_path):
             assert attn.kv_a_proj_with_mqa.out_features == 32 + 8
             shared = model.layers[1].mlp.shared_experts
             assert shared.inter == 16 and model.layers[0].mlp.inter == 96  # shared expert, dense first layer
-        got = _run(engine)
+        got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"], name
         assert g["meta_info"]["cached_tokens"] == w["meta_info"]["cached_tokens"]
-        assert _logprobs(g) == pytest.approx(_logprobs(w), rel=1e-4, abs=1e-4), name
+        assert all_logprobs(g) == pytest.approx(all_logprobs(w), rel=1e-4, abs=1e-4), name

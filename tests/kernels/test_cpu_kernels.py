@@ -144,7 +144,11 @@ def _extend_case(hq, hkv, d, reqs, slots=6000):
     return q, k_buf, v_buf, r2t, req_idx, torch.cumsum(ext, 0) - ext, torch.tensor([p for p, _ in reqs]), ext
 
 
-def _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale):
+def _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale, window=None, softcap=None,
+                      sinks=None):
+    """Causal attention after each request's prefix, in float64; optionally as transformers applies a sliding
+    window (position i sees j when i - j < window), logit soft-capping (after the scale) and sinks (one logit
+    per head in each softmax's denominator)."""
     out = torch.empty(q.shape)
     rep = q.shape[1] // k_buf.shape[1]
     for b in range(len(req_idx)):
@@ -153,9 +157,17 @@ def _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale
         k = k_buf[loc].repeat_interleave(rep, 1).double()  # [L, hq, d]
         v = v_buf[loc].repeat_interleave(rep, 1).double()
         scores = torch.einsum("thd,lhd->htl", q[s:s + e].double(), k) * scale
-        seen = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]  # [e, L]: causal after the prefix
-        p_ = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-        out[s:s + e] = torch.einsum("htl,lhd->thd", p_, v).float()
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        i, j = torch.arange(p, p + e)[:, None], torch.arange(p + e)[None, :]
+        seen = (j <= i) & ((i - j < window) if window else True)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, e, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[s:s + e] = torch.einsum("htl,lhd->thd", probs, v).float()
     return out
 
 
@@ -187,31 +199,6 @@ def test_extend_attention_checks_its_metadata():
     assert not cpu.extend_fits(80, 4, 4) and not cpu.extend_fits(64, 6, 4) and cpu.extend_fits(128, 8, 2)
 
 
-def _featured_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, scale, window, softcap, sinks):
-    """Attention as transformers applies a sliding window (position i sees j when i - j < window), logit
-    soft-capping (after the scale) and sinks (one logit per head in each softmax's denominator), in float64."""
-    out = torch.empty(q.shape)
-    rep = q.shape[1] // k_buf.shape[1]
-    for b in range(len(req_idx)):
-        p, e, s = int(prefix[b]), int(ext[b]), int(q_start[b])
-        loc = r2t[req_idx[b], :p + e].long()
-        k = k_buf[loc].repeat_interleave(rep, 1).double()  # [L, hq, d]
-        v = v_buf[loc].repeat_interleave(rep, 1).double()
-        scores = torch.einsum("thd,lhd->htl", q[s:s + e].double(), k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        i, j = torch.arange(p, p + e)[:, None], torch.arange(p + e)[None, :]
-        seen = (j <= i) & ((i - j < window) if window else True)
-        scores = scores.masked_fill(~seen, float("-inf"))
-        if sinks is not None:
-            sink = sinks.double().view(-1, 1, 1).expand(-1, e, 1)
-            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        out[s:s + e] = torch.einsum("htl,lhd->thd", probs, v).float()
-    return out
-
-
 FEATURES = [(16, None, False), (None, 5.0, False), (None, None, True), (40, 8.0, True), (1, None, False)]
 
 
@@ -224,7 +211,7 @@ def test_decode_attention_with_window_softcap_and_sinks(hq, hkv, d, window, soft
     sinks = torch.randn(hq) * 2 if with_sinks else None
     out = cpu.decode_attention(q, k_buf, v_buf, r2t, req_idx, prefix + 1, d ** -0.5, window=window,
                                softcap=softcap, sinks=sinks)
-    expect = _featured_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, d ** -0.5, window, softcap,
+    expect = _extend_reference(q, k_buf, v_buf, r2t, req_idx, q_start, prefix, ext, d ** -0.5, window, softcap,
                                  sinks)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=5e-6)
 
@@ -236,7 +223,7 @@ def test_extend_attention_with_window_softcap_and_sinks(window, softcap, with_si
     args = _extend_case(hq, hkv, d, REQS)
     sinks = torch.randn(hq) * 2 if with_sinks else None
     out = cpu.extend_attention(*args, d ** -0.5, window=window, softcap=softcap, sinks=sinks)
-    expect = _featured_reference(*args, d ** -0.5, window, softcap, sinks)
+    expect = _extend_reference(*args, d ** -0.5, window, softcap, sinks)
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
 
 

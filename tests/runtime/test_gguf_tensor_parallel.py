@@ -13,6 +13,7 @@ from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_blocks import DecodedBlocks, decode_tensor
 from radixlang.runtime.models.parallel import column_part_rows
 from test_quant_gguf import BLOCK, _random_blocks
+from tp_runs import SHARED, all_logprobs, run_shared_prefix
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not qk.available(), reason="no C compiler for the quantized kernels")
@@ -80,25 +81,6 @@ def test_quantized_gguf_is_served_quantized_under_tensor_parallelism():
         ServerArgs(tp_size=2, quantization="int8")
 
 
-SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-
-
-def _run(engine) -> list[dict]:
-    kw = dict(sampling_params=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
-    first = engine.generate(input_ids=[SHARED + [5, 6], list(range(300, 321))], **kw)
-    second = engine.generate(input_ids=SHARED + [9, 8, 7], sampling_params=GREEDY, return_logprob=True,
-                             top_logprobs_num=2)  # its prefix from the radix cache
-    engine.check_memory_leak()
-    return first + [second]
-
-
-def _logprobs(out: dict) -> list[float]:
-    meta = out["meta_info"]
-    vals = [lp for lp, _, _ in meta["input_token_logprobs"] + meta["output_token_logprobs"] if lp is not None]
-    return vals + [lp for row in meta["output_top_logprobs"] for lp, _, _ in row]
-
-
 T = gguf.GGMLQuantizationType
 CASES = {
     # o_proj's 128 inputs are 64 a rank: every linear and the untied logits are served from blocks
@@ -141,7 +123,7 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
     with Engine(**kw) as single:
         layer = single.scheduler.runner.model.layers[0]
         assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
-        want = _run(single)
+        want = run_shared_prefix(single)
     with caplog.at_level(logging.WARNING, logger="radixlang.runtime.models.gguf_quant"):
         with Engine(**kw, tp_size=2) as engine:
             model = engine.scheduler.runner.model
@@ -159,12 +141,12 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
             else:
                 assert isinstance(attn.o_proj, RowParallelQuantLinear) and attn.o_proj.in_features == 64
                 assert "kept dequantized" not in caplog.text
-            got = _run(engine)
+            got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"], case
         assert g["meta_info"]["cached_tokens"] == w["meta_info"]["cached_tokens"]
-        assert _logprobs(g) == pytest.approx(_logprobs(w), rel=1e-4, abs=1e-4), case
+        assert all_logprobs(g) == pytest.approx(all_logprobs(w), rel=1e-4, abs=1e-4), case
 
 
 @pytest.mark.e2e
@@ -187,13 +169,13 @@ def test_tp2_matches_tp1_on_quantized_gguf_experts(tmp_path, monkeypatch):
     kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
         assert isinstance(single.scheduler.runner.model.layers[0].mlp.experts, QuantExperts)
-        want = _run(single)
+        want = run_shared_prefix(single)
     with Engine(**kw, tp_size=2) as engine:
         experts = engine.scheduler.runner.model.layers[0].mlp.experts
         assert isinstance(experts, QuantExperts) and experts.inter == 32 and experts.tp is not None
         assert experts.w13[0].out_features == 64 and experts.w2[0].in_features == 32
-        got = _run(engine)
+        got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]
-        assert _logprobs(g) == pytest.approx(_logprobs(w), rel=1e-4, abs=1e-4)
+        assert all_logprobs(g) == pytest.approx(all_logprobs(w), rel=1e-4, abs=1e-4)
