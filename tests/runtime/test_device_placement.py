@@ -138,14 +138,16 @@ def test_the_tp_step_message_is_built_on_the_host_from_device_tensors(monkeypatc
         inputs = StepInputs(mode=ForwardMode.EXTEND, input_ids=torch.tensor([7, 8, 9]),
                             positions=torch.tensor([0, 1, 0]), req_pool_indices=torch.tensor([1, 2]),
                             seq_lens=[2, 1], prefix_lens=[0, 0], extend_lens=[2, 1],
-                            out_cache_loc=r2t[1, :2].to(torch.int64), logit_rows=torch.tensor([1, 2]))
+                            out_cache_loc=r2t[1, :2].to(torch.int64), logit_rows=torch.tensor([1, 2]),
+                            prompt_lens=[5, 1])
         comm = distributed.DistComm(0, 2, "cuda")
         distributed.send_step(comm, inputs, r2t)
         assert all(t.device.type == "cuda" for t in sent)  # nccl moves device tensors
     header, payload = sent
     assert header.tolist() == [distributed.MSG_STEP, int(ForwardMode.EXTEND), 2, 3, 2, 3]
-    # ids, positions, req rows, seq lens, prefix lens, extend lens, out_cache_loc, logit rows, r2t entries
-    assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 10, 11, 1, 2, 10, 11, 20]
+    # ids, positions, req rows, seq lens, prefix lens, extend lens, prompt lens, out_cache_loc, logit rows,
+    # r2t entries
+    assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 5, 1, 10, 11, 1, 2, 10, 11, 20]
 
 
 def test_the_padding_row_is_reserved_for_cuda_graph_padding():

@@ -31,6 +31,7 @@ class Req:
     last_node: Any = None  # radix node locked for this request
     kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
+    cache_namespace: tuple | None = None  # the radix-tree namespace its KV is shared in (CachedReq)
     # output state
     finished_reason: FinishReason | None = None
     sent_output_len: int = 0  # output ids already sent to the detokenizer
@@ -128,4 +129,4 @@ class ScheduleBatch:
                           req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
                           seq_lens=seq_lens, prefix_lens=list(self.prefix_lens),
                           extend_lens=list(self.extend_lens), out_cache_loc=self.out_cache_loc,
-                          logit_rows=logit_rows)
+                          logit_rows=logit_rows, prompt_lens=[r.prompt_len for r in reqs])

@@ -38,6 +38,7 @@ from radixlang.runtime.mem_cache.req_cache import NoReqCache, ReqCache
 from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
 from radixlang.runtime.model_executor.model_runner import ModelRunner
 from radixlang.runtime.model_executor.runner import Runner
+from radixlang.runtime.models.layers.rotary import rope_length_key
 from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
@@ -96,7 +97,8 @@ class Scheduler:
                   return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
-                  arrival_time=time.monotonic())
+                  arrival_time=time.monotonic(),
+                  cache_namespace=rope_length_key(self.runner.hf_config, len(tr.input_ids)))
         self.stats["num_requests"] += 1
         if params.max_new_tokens == 0 and not tr.return_logprob and self.args.disable_radix_cache:
             # a prefill-only request (a client warming a prefix) returns nothing, and without a cache it

@@ -187,7 +187,8 @@ class DraftModelDrafter:
             mode=ForwardMode.EXTEND, input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64), req_pool_indices=self._indices(chosen),
             seq_lens=[p + e for p, e in zip(pre, ext)], prefix_lens=pre, extend_lens=ext,
-            out_cache_loc=torch.cat(locs).to(torch.int64), logit_rows=rows))
+            out_cache_loc=torch.cat(locs).to(torch.int64), logit_rows=rows,
+            prompt_lens=[req.prompt_len for _, req, _, _ in chosen]))
         last = torch.argmax(logits, dim=-1).tolist()
         for (i, _, slot, _), tok in zip(chosen, last):
             out[i].append(tok)

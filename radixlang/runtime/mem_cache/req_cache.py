@@ -7,7 +7,7 @@ seen only through ``CachedReq``, the few fields this bookkeeping reads and write
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +21,9 @@ class CachedReq(Protocol):
     kv_len: int  # tokens of fill_ids whose KV is in the pool
     prefix_indices: torch.Tensor  # [n] int64 KV slots of the matched prefix
     last_node: Any  # the node locked for this request (None without a tree)
+    # the tree namespace its KV is shared in (None: the shared tree); requests whose KV differs for the
+    # same tokens live apart (a prompt rotated by its length: models/layers/rotary.py rope_length_key)
+    cache_namespace: Hashable | None
 
     @property
     def fill_ids(self) -> list[int]: ...

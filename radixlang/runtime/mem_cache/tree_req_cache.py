@@ -22,17 +22,19 @@ class TreeReqCache:
         self.tree = RadixCache(page_size=page_size)
 
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, TreeNode]:
-        kv, node = self.tree.match_prefix(req.fill_ids[:max_len])
+        kv, node = self.tree.match_prefix(req.fill_ids[:max_len], req.cache_namespace)
         return kv, node
 
     def prefix_len(self, req: CachedReq) -> int:
-        return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).kv_indices.numel())
+        return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1], req.cache_namespace).kv_indices.numel())
 
     def should_defer(self, req: CachedReq, batch: Sequence[CachedReq], min_gain: int = 32) -> bool:
         """True when a request already in this prefill batch will cache a longer prefix of req: wait a step."""
         have = self.prefix_len(req)
         ids = req.fill_ids
         for other in batch:
+            if other.cache_namespace != req.cache_namespace:
+                continue
             o = other.fill_ids
             n = min(len(ids), len(o)) - 1
             i = have
@@ -47,7 +49,7 @@ class TreeReqCache:
         at: dict[int, list[CachedReq]] = {}
         nodes: dict[int, TreeNode] = {}
         for req in waiting:
-            node = self.tree.match_prefix(req.fill_ids[:req.seq_len - 1]).last_node
+            node = self.tree.match_prefix(req.fill_ids[:req.seq_len - 1], req.cache_namespace).last_node
             at.setdefault(id(node), []).append(req)
             nodes[id(node)] = node
         weight: dict[int, int] = {}
@@ -57,7 +59,7 @@ class TreeReqCache:
                 weight[id(up)] = weight.get(id(up), 0) + len(reqs)
                 up = up.parent
         order: list[CachedReq] = []
-        stack = [self.tree.root]
+        stack = [*self.tree.namespaces.values(), self.tree.root]  # the shared tree first, then each namespace
         while stack:
             node = stack.pop()
             order.extend(at.get(id(node), []))
@@ -80,10 +82,10 @@ class TreeReqCache:
         tokens = req.fill_ids[:kv_len]
         kv = row[:kv_len].to(torch.int64)
         own_start = int(req.prefix_indices.numel())
-        matched = self.tree.insert(tokens, kv)
+        matched = self.tree.insert(tokens, kv, req.cache_namespace)
         if matched > own_start:  # someone else cached these positions meanwhile: ours are duplicates
             self.kv_pool.free(kv[own_start:matched])
-        new_kv, new_node = self.tree.match_prefix(tokens)
+        new_kv, new_node = self.tree.match_prefix(tokens, req.cache_namespace)
         n = int(new_kv.numel())
         row[own_start:n] = new_kv[own_start:].to(torch.int32)
         self.tree.inc_lock_ref(new_node)

@@ -81,6 +81,7 @@ def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) ->
     payload = torch.cat([inputs.input_ids, inputs.positions, inputs.req_pool_indices, seq_lens,
                          torch.tensor(inputs.prefix_lens, dtype=torch.int64),
                          torch.tensor(inputs.extend_lens, dtype=torch.int64),
+                         torch.tensor(inputs.prompt_lens or [0] * len(inputs.seq_lens), dtype=torch.int64),
                          inputs.out_cache_loc.to(device="cpu", dtype=torch.int64),
                          inputs.logit_rows.to(device="cpu", dtype=torch.int64),
                          r2t.to(device="cpu", dtype=torch.int64)])
@@ -102,13 +103,14 @@ def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
         return None
     if kind != MSG_STEP:
         raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
-    sizes = [num_tokens, num_tokens, bs, bs, bs, bs, num_tokens, num_rows, num_r2t]
+    sizes = [num_tokens, num_tokens, bs, bs, bs, bs, bs, num_tokens, num_rows, num_r2t]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=comm.comm_device)
     dist.broadcast(payload, src=0)
-    (input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, out_cache_loc, logit_rows,
-     r2t) = payload.cpu().split(sizes)
+    (input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, prompt_lens, out_cache_loc,
+     logit_rows, r2t) = payload.cpu().split(sizes)
     inputs = StepInputs(mode=ForwardMode(mode), input_ids=input_ids, positions=positions,
                         req_pool_indices=req_pool_indices, seq_lens=seq_lens.tolist(),
                         prefix_lens=prefix_lens.tolist(), extend_lens=extend_lens.tolist(),
-                        out_cache_loc=out_cache_loc, logit_rows=logit_rows)
+                        out_cache_loc=out_cache_loc, logit_rows=logit_rows,
+                        prompt_lens=prompt_lens.tolist() if bool(prompt_lens.any()) else None)
     return inputs, r2t

@@ -24,6 +24,9 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_reqs, max_context_len] int32
     token_to_kv_pool: TokenToKVPool
     attn_backend: AttentionBackend
+    # EXTEND: each request's prompt length; length-dependent rotary rules rotate prompt positions by it
+    # (models/layers/rotary.py: length_rows). None: every position takes its table row
+    prompt_lens_cpu: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,3 +47,4 @@ class StepInputs:
     extend_lens: list[int]  # [bs]
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     logit_rows: torch.Tensor  # [num_rows] int64: token rows whose logits are returned
+    prompt_lens: list[int] | None = None  # [bs]: as ForwardBatch.prompt_lens_cpu

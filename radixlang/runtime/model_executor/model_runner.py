@@ -205,7 +205,7 @@ class ModelRunner:
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int64).to(dev), seq_lens_cpu=inputs.seq_lens,
             extend_prefix_lens_cpu=inputs.prefix_lens, extend_seq_lens_cpu=inputs.extend_lens,
             out_cache_loc=inputs.out_cache_loc.to(dev), req_to_token=self.req_to_token_pool.req_to_token,
-            token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+            token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend, prompt_lens_cpu=inputs.prompt_lens)
         rows = inputs.logit_rows
         # a decode step (or a prompt with every token's logprobs) wants every row: no gather then
         every = len(rows) == len(inputs.input_ids) and torch.equal(rows, torch.arange(len(rows)))

@@ -177,7 +177,9 @@ class DecodeStack:
             req_idx, seq_lens = extend[0], extend[3]  # seq_lens is read only by a decode step
         layers = self._layer_array(forward_batch.token_to_kv_pool)
         model = self.model
-        rope = model._rotary(positions, 0)  # checks the positions against the table
+        rope = model._rotary(positions, 0, forward_batch)  # checks the positions against the table
+        if rope.positions is not positions:  # prompt rows of a length-dependent rotary rule: layer by layer
+            return None
         r2t, loc = forward_batch.req_to_token, forward_batch.out_cache_loc
         bs = req_idx.shape[0]
         if (positions.dtype != torch.int64 or positions.shape != (m,) or loc.dtype != torch.int64

@@ -29,3 +29,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         tables = [rope_tables(config, rotary_dim, max_pos, "full_attention"),
                   rope_tables(config, rotary_dim, max_pos, "sliding_attention")]
         return tables, [1 if k == "sliding_attention" else 0 for k in kinds]
+
+    def rope_table_layer_type(self, table: int) -> str | None:
+        return ("full_attention", "sliding_attention")[table]

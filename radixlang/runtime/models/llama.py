@@ -25,7 +25,8 @@ from radixlang.runtime.models.layers.attention_config import layer_sliding_windo
 from radixlang.runtime.models.layers.moe import Experts, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_rotary_factor,
-                                                    rope_context_length, rope_tables)
+                                                    length_rows, rope_context_length, rope_switch_point,
+                                                    rope_tables)
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
                                                split_evenly)
@@ -213,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
             self.register_buffer("cos_cache" + suffix, cos.to(dtype), persistent=False)
             self.register_buffer("signed_sin_cache" + suffix, signed_sin.to(dtype), persistent=False)
         self.num_rope_tables = len(tables)
+        # per table: the prompt length past which prompt positions take other rows (rotary.length_rows)
+        self.rope_switch = [rope_switch_point(config, self.rope_table_layer_type(t)) for t in range(len(tables))]
         self.cpu_kernels = False  # see use_cpu_kernels
         self.decode_stack: Any = None  # models/decode_stack.DecodeStack, set by the runner where it applies
         materialize_(self, dtype, device)
@@ -233,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        ropes = [self._rotary(positions, t) for t in range(self.num_rope_tables)]
+        ropes = [self._rotary(positions, t, forward_batch) for t in range(self.num_rope_tables)]
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -249,14 +252,49 @@ class LlamaForCausalLM(nn.Module):
         rotary_dim = int(self.head_dim * partial_rotary_factor(config))
         return [rope_tables(config, rotary_dim, max_pos)], [0] * config.num_hidden_layers
 
-    def _rotary(self, positions: torch.Tensor, table: int) -> Rotary:
+    def rope_table_layer_type(self, table: int) -> str | None:
+        """The layer type whose rotary parameters built table ``table`` (None: the model's only ones)."""
+        return None
+
+    def _rotary(self, positions: torch.Tensor, table: int, forward_batch: Any) -> Rotary:
         suffix = "" if table == 0 else f"_{table}"
         cos, sin = getattr(self, "cos_cache" + suffix), getattr(self, "signed_sin_cache" + suffix)
+        rows = self._prompt_rows(positions, table, forward_batch)
+        if rows is not None:  # this forward's own table: one row per token, read at rows 0..n-1
+            idx, prompt_cos, prompt_sin = rows
+            cos, sin = cos[positions], sin[positions]
+            cos[idx], sin[idx] = prompt_cos.to(cos), prompt_sin.to(sin)
+            positions = torch.arange(positions.shape[0], device=positions.device)
         if self.cpu_kernels:
             if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
                 raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
             return Rotary(positions, cos, sin, None, None)
         return Rotary(positions, cos, sin, cos[positions][:, None, :], sin[positions][:, None, :])
+
+    def _prompt_rows(self, positions: torch.Tensor, table: int, forward_batch: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(token rows, cos, signed sin) for the prompt tokens of this forward whose rows a length-dependent
+        rule takes from their prompt's length rather than their position (rotary.length_rows); None if none."""
+        switch, prompt_lens = self.rope_switch[table], getattr(forward_batch, "prompt_lens_cpu", None)
+        if switch is None or not prompt_lens or max(prompt_lens) <= switch or forward_batch.forward_mode.is_decode():
+            return None
+        idx, cos, sin = [], [], []
+        start = 0
+        for prompt_len, n in zip(prompt_lens, forward_batch.extend_seq_lens_cpu):
+            if prompt_len > switch:
+                pos = positions[start:start + n].cpu()
+                inside = torch.nonzero(pos < prompt_len).flatten()
+                rows = length_rows(self.config, self.rotary_dim, prompt_len, pos[inside],
+                                   self.rope_table_layer_type(table))
+                if rows is not None and inside.numel():
+                    idx.append(inside + start)
+                    cos.append(rows[0])
+                    sin.append(rows[1])
+            start += n
+        if not idx:
+            return None
+        dev = positions.device
+        return torch.cat(idx).to(dev), torch.cat(cos).to(dev), torch.cat(sin).to(dev)
 
     def use_cpu_kernels(self) -> bool:
         """Run the layers' small ops (norms with the residual add, rotary, SiLU-and-multiply) through

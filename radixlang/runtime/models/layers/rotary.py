@@ -1,17 +1,19 @@
 """Rotary position embeddings: the inverse frequencies of each scaling rule transformers implements,
 the cos / signed-sin tables and the torch rotation (the compiled CPU kernel reads the same tables).
 
-Rules: default, linear, llama3, yarn, longrope, dynamic. Two of them change with the sequence length
-in transformers, which re-derives the frequencies from the longest position of each forward call; a cache
-of already-rotated keys cannot follow a whole sequence switching tables, so here each position keeps the
-table its own length gives (what transformers gives a token decoded at that position):
-- longrope (Phi-3): positions before the original context use the short factors, later ones the long
-  factors (transformers switches the whole sequence to the long ones once it is longer);
-- dynamic (NTK): positions before ``max_position_embeddings`` use the plain frequencies; position p past
-  it uses the base theta * (factor * (p + 1) / max_pos - (factor - 1)) ^ (dim / (dim - 2)). The context
-  then reaches factor x max_position_embeddings (``rope_context_length``). A prompt longer than
-  max_position_embeddings, prefilled at once, is rotated differently by transformers (every position
-  with the prompt length's base).
+Rules: default, linear, llama3, yarn, longrope, dynamic. Two of them change with the sequence length: in
+transformers, each forward call re-derives the frequencies from its longest position. Here:
+- the tables give each position the rows its own length gives (what transformers gives a token decoded
+  at that position): longrope (Phi-3) uses the short factors before the original context and the long
+  ones after it; dynamic NTK uses the plain frequencies up to ``max_position_embeddings`` and, at position
+  p past it, the base theta * (factor * (p + 1) / max_pos - (factor - 1)) ^ (dim / (dim - 2)), up to
+  factor x max_position_embeddings (``rope_context_length``);
+- a prompt longer than that switch point is rotated as transformers rotates it when prefilled at once:
+  every prompt position with the prompt length's rows (``rope_length_key``, ``length_rows``), in every
+  chunk and after a retraction alike. Its KV then differs from a shorter prompt's at the same positions,
+  so the radix cache keeps it apart (the key is the request's cache namespace).
+Left as it is: transformers' Phi-3 recomputes the whole cache when a generation first crosses the original
+context; here the tokens decoded past it take the long factors and the earlier ones keep the short ones.
 """
 from __future__ import annotations
 
@@ -132,30 +134,77 @@ def _table(inv_freq: torch.Tensor, attn_factor: float, positions: torch.Tensor) 
     return emb.cos() * attn_factor, sin
 
 
+def _long_inv_freq(params: dict, config: Any, rotary_dim: int) -> torch.Tensor:
+    theta = float(params["rope_theta"])
+    base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    return _longrope(params, base, config, long=True)[0]
+
+
+def _dynamic_inv_freq(params: dict, rotary_dim: int, lengths: torch.Tensor, max_pos: int) -> torch.Tensor:
+    """Dynamic NTK's frequencies for sequences of ``lengths`` (float64 [n, 1]): [n, rotary_dim / 2]."""
+    factor, theta = float(params["factor"]), float(params["rope_theta"])
+    base = theta * (factor * lengths / max_pos - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    return base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def rope_switch_point(config: Any, layer_type: str | None = None) -> int | None:
+    """The length past which a length-dependent rule changes its rows, or None for the other rules."""
+    return _switch_point(config, rope_parameters(config, layer_type))
+
+
+def _switch_point(config: Any, params: dict) -> int | None:
+    kind = _rope_kind(params)
+    if kind == "dynamic":
+        return _max_positions(config)
+    if kind == "longrope":
+        return int(params.get("original_max_position_embeddings")
+                   or getattr(config, "original_max_position_embeddings"))
+    return None
+
+
+def rope_length_key(config: Any, prompt_len: int) -> tuple | None:
+    """None when a prompt of this length is rotated by the per-position tables; otherwise a key naming the
+    rows its prompt positions take (``length_rows``): prompts with equal keys share those rows, so their
+    KV can be shared. Layers whose own rule does not depend on the length ignore the key."""
+    params = rope_parameters(config)
+    switch = _switch_point(config, params)
+    if switch is None or prompt_len <= switch:
+        return None
+    return ("longrope",) if _rope_kind(params) == "longrope" else ("dynamic", prompt_len)
+
+
+def length_rows(config: Any, rotary_dim: int, prompt_len: int, positions: torch.Tensor,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, signed sin) [len(positions), rotary_dim] float64 for prompt positions of a prompt of
+    ``prompt_len`` tokens, as transformers rotates a prompt prefilled at once; None when the layer type's
+    rule gives them the per-position rows."""
+    params = rope_parameters(config, layer_type)
+    switch = _switch_point(config, params)
+    if switch is None or prompt_len <= switch:
+        return None
+    _, attn_factor = rope_inv_freq(config, rotary_dim, layer_type)
+    if _rope_kind(params) == "longrope":
+        return _table(_long_inv_freq(params, config, rotary_dim), attn_factor, positions)
+    length = torch.full((1, 1), float(prompt_len), dtype=torch.float64)
+    return _table(_dynamic_inv_freq(params, rotary_dim, length, switch)[0], attn_factor, positions)
+
+
 def rope_tables(config: Any, rotary_dim: int, max_pos: int,
                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) [max_pos, rotary_dim] float64: rows of rotate_half's layout for ``apply_rope``."""
+    """(cos, signed sin) [max_pos, rotary_dim] float64: rows of rotate_half's layout for ``apply_rope``,
+    each position's row as its own sequence length gives it."""
     inv_freq, attn_factor = rope_inv_freq(config, rotary_dim, layer_type)
     positions = torch.arange(max_pos)
     cos, sin = _table(inv_freq, attn_factor, positions)
     params = rope_parameters(config, layer_type)
-    kind = _rope_kind(params)
-    if kind == "dynamic":
-        ctx = _max_positions(config)
-        if max_pos > ctx:
-            factor, theta = float(params["factor"]), float(params["rope_theta"])
-            length = positions[ctx:].to(torch.float64)[:, None] + 1  # the sequence length at each position
-            base = theta * (factor * length / ctx - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))  # [n, 1]
-            per_position = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-            cos[ctx:], sin[ctx:] = _table(per_position, attn_factor, positions[ctx:])
-    if kind == "longrope":
-        old_ctx = int(params.get("original_max_position_embeddings")
-                      or getattr(config, "original_max_position_embeddings"))
-        if max_pos > old_ctx:
-            theta = float(params["rope_theta"])
-            base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-            long_freq, _ = _longrope(params, base, config, long=True)
-            cos[old_ctx:], sin[old_ctx:] = _table(long_freq, attn_factor, positions[old_ctx:])
+    switch = _switch_point(config, params)
+    if switch is not None and max_pos > switch:
+        later = positions[switch:]
+        if _rope_kind(params) == "dynamic":  # the sequence length at each position: a base per row
+            freq = _dynamic_inv_freq(params, rotary_dim, later.to(torch.float64)[:, None] + 1, switch)
+        else:
+            freq = _long_inv_freq(params, config, rotary_dim)
+        cos[switch:], sin[switch:] = _table(freq, attn_factor, later)
     return cos, sin
 
 
