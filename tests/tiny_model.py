@@ -11,6 +11,18 @@ from radixlang.runtime.models.loader import default_model_path, resolve_model_di
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+def private_cache(root, monkeypatch) -> None:
+    """Point ``RADIXLANG_CACHE`` at ``root`` (GGUF conversions land there, apart from other tests') while
+    the compiled kernels stay shared: ``root/kernels`` links to the machine's kernel cache, so a test does
+    not rebuild them (~10 s of compiling each). Set it after any GGUF the test reads from the real cache."""
+    from radixlang.kernels.cpu import build
+    kernels = build.cache_dir()
+    kernels.mkdir(parents=True, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    os.symlink(kernels, os.path.join(root, "kernels"))
+    monkeypatch.setenv("RADIXLANG_CACHE", str(root))
+
+
 def smollm_dir() -> str:
     """The converted SmolLM2-135M-Instruct folder (converted once, then cached): config and tokenizer;
     loading it reads the weights from the embedded GGUF."""

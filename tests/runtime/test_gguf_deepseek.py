@@ -19,7 +19,7 @@ from test_deepseek import FAMILIES
 from test_gguf_families import _greedy, add_smollm_tokenizer
 from test_model_families import NEW_TOKENS, PROMPTS, _hf_greedy, _hf_logprobs
 from test_models import _run_ours
-from tiny_model import save_tiny_hf_model
+from tiny_model import private_cache, save_tiny_hf_model
 
 _ATTN = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
          "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b",
@@ -145,7 +145,7 @@ def test_deepseek_gguf_matches_transformers(tmp_path, monkeypatch, family):
     arch, overrides = FAMILIES[family]
     newer, f16, more = CASES[family]
     folder = save_tiny_hf_model(str(tmp_path / "hf"), arch, seed=11, **{**overrides, **more})
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # after: the tokenizer's source stays cached
+    private_cache(tmp_path / "cache", monkeypatch)  # after: the tokenizer's source stays cached
     path = str(tmp_path / f"tiny-{family}.gguf")
     write_deepseek_gguf(folder, path, newer=newer, f16=f16)
     loaded = load_model(path)
@@ -173,7 +173,7 @@ def test_deepseek_gguf_refusals_name_what_is_missing(tmp_path, monkeypatch):
 
     from radixlang.runtime.models.gguf_convert import ensure_converted
     from radixlang.runtime.models.gguf_weights import gguf_weights
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "half.gguf")
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_head_count(2)

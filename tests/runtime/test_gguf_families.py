@@ -3,6 +3,7 @@ names and metadata, tokenizer fields copied from the embedded SmolLM2 GGUF) load
 give the original checkpoint's prompt log-probabilities; transformers' own GGUF reader agrees on weights."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -15,7 +16,7 @@ from radixlang.runtime.models.gguf_weights import hf_tensor_name
 from radixlang.runtime.models.loader import default_model_path, load_model
 from test_model_families import PROMPTS, _hf_logprobs
 from test_models import _run_ours
-from tiny_model import save_tiny_hf_model
+from tiny_model import private_cache, save_tiny_hf_model
 
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -67,16 +68,24 @@ def _gguf_tensors(checkpoint: dict[str, torch.Tensor], cfg, arch: str, f16: bool
     return [(n, a.astype(np.float16) if f16 and a.ndim >= 2 else a) for n, a in out]
 
 
+@functools.cache
+def _smollm_tokenizer_fields() -> list[tuple]:
+    """(key, value, type, array item type) of the embedded SmolLM2 GGUF's tokenizer fields, read once a
+    process: gguf's reader takes ~7 s over its 49k-token vocabulary."""
+    import gguf
+    src = gguf.GGUFReader(default_model_path())
+    return [(key, field.contents(), field.types[0], field.types[-1]) for key, field in src.fields.items()
+            if key.startswith("tokenizer.")]
+
+
 def add_smollm_tokenizer(w) -> None:
     """The embedded SmolLM2 GGUF's tokenizer fields, copied into a GGUFWriter."""
     import gguf
-    src = gguf.GGUFReader(default_model_path())
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            if field.types[0] == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
-            else:
-                w.add_key_value(key, field.contents(), field.types[0])
+    for key, value, kind, item in _smollm_tokenizer_fields():
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, kind, sub_type=item)
+        else:
+            w.add_key_value(key, value, kind)
 
 
 def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quant: dict | None = None) -> None:
@@ -145,7 +154,7 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
 @pytest.mark.parametrize("arch,hf_arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_gguf_family_matches_its_checkpoint(tmp_path, monkeypatch, arch, hf_arch):
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=5)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # after: the tokenizer's source stays cached
+    private_cache(tmp_path / "cache", monkeypatch)  # after: the tokenizer's source stays cached
     path = str(tmp_path / f"tiny-{arch}.gguf")
     _write_gguf(folder, path, arch)
     loaded = load_model(path)
@@ -208,7 +217,7 @@ def test_gguf_export_of_more_families_matches_transformers(tmp_path, monkeypatch
     from test_model_families import NEW_TOKENS, _hf_greedy
     arch, hf_arch, f16, overrides = MORE_FAMILIES[family]
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # after: the tokenizer's source stays cached
+    private_cache(tmp_path / "cache", monkeypatch)  # after: the tokenizer's source stays cached
     path = str(tmp_path / f"tiny-{family}.gguf")
     _write_gguf(folder, path, arch, f16=f16)
     model = load_model(path).model
@@ -226,7 +235,7 @@ def test_gguf_export_of_more_families_matches_transformers(tmp_path, monkeypatch
 
 def test_gguf_architecture_we_cannot_map_is_named(tmp_path, monkeypatch):
     import gguf
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "odd.gguf")
     w = gguf.GGUFWriter(path, "mamba")
     w.add_block_count(1)
@@ -249,7 +258,7 @@ def test_gguf_weights_are_read_one_tensor_at_a_time_from_the_file(tmp_path, monk
     from radixlang.runtime.models import gguf_weights
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2MoeForCausalLM", seed=3,
                                 **MORE_FAMILIES["qwen2_moe"][3])
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "tiny.gguf")
     _write_gguf(folder, path, "qwen2moe")
     real, made, held, shapes = gguf_weights.dequantize_tensor, [], [], []
@@ -279,7 +288,7 @@ def test_a_cached_folder_of_the_earlier_design_is_not_used(tmp_path, monkeypatch
     never reads theirs; a converted folder passed as the model path reads its GGUF file."""
     from radixlang.runtime.models.gguf_convert import converted_dir_for
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2ForCausalLM", seed=3)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "tiny.gguf")
     _write_gguf(folder, path, "qwen2")
     st = os.stat(path)
@@ -308,7 +317,7 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     from radixlang.runtime.models.gguf_quant import QuantLinear
 
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=7)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "mixed.gguf")
     t = gguf.GGMLQuantizationType
     _write_gguf(folder, path, "llama", quant={"attn_q": t.Q4_0, "attn_k": t.Q4_0, "attn_v": t.Q8_0,
@@ -351,7 +360,7 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
 
     arch, hf_arch, _, overrides = MORE_FAMILIES[family]
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "moe.gguf")
     t = gguf.GGMLQuantizationType
     _write_gguf(folder, path, arch, quant={"ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q4_0, "ffn_down_exps": t.Q8_0,

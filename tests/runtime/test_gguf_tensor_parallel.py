@@ -112,11 +112,11 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
     from radixlang.runtime.models.gguf_quant import QuantLinear, RowParallelQuantLinear, VocabParallelQuantHead
     from radixlang.runtime.models.parallel import RowParallelLinear
     from test_gguf_families import _write_gguf
-    from tiny_model import save_tiny_hf_model
+    from tiny_model import private_cache, save_tiny_hf_model
 
     arch, hf_arch, overrides, quant = CASES[case]
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=5, **overrides)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))  # inherited by the spawned rank
+    private_cache(tmp_path / "cache", monkeypatch)  # inherited by the spawned rank
     path = str(tmp_path / f"tiny-{case}.gguf")
     _write_gguf(folder, path, arch, quant=quant)
     kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
@@ -157,12 +157,12 @@ def test_tp2_matches_tp1_on_quantized_gguf_experts(tmp_path, monkeypatch):
     from radixlang import Engine
     from radixlang.runtime.models.gguf_experts import QuantExperts
     from test_gguf_families import _write_gguf
-    from tiny_model import save_tiny_hf_model
+    from tiny_model import private_cache, save_tiny_hf_model
 
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen3MoeForCausalLM", seed=5, num_experts=6,
                                 num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                                 decoder_sparse_step=1)
-    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "tiny-moe.gguf")
     _write_gguf(folder, path, "qwen3moe", quant={"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_0,
                                                  "ffn_down_exps": T.Q8_0})
