@@ -197,3 +197,77 @@ def test_deepseek_gguf_refusals_name_what_is_missing(tmp_path, monkeypatch):
     w.close()
     with pytest.raises(ValueError, match=r"rope scaling 'yarn' \(qwen2\) is not supported"):
         ensure_converted(path)
+
+
+# the projections a quantized DeepSeek file serves from its blocks: MLA's q (or q_a / q_b), kv_a, the shared
+# experts and the routed ones (o_proj's 144 inputs are not whole blocks of 32: the writer keeps it F32)
+QUANTIZED = {"deepseek_v2": dict(q_lora_rank=None), "deepseek_v3": dict(q_lora_rank=32)}
+
+
+def _quantized_deepseek(tmp_path, monkeypatch, family: str) -> str:
+    import gguf
+    arch, overrides = FAMILIES[family]
+    newer, _, more = CASES[family]
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), arch, seed=11, **{**overrides, **more, **QUANTIZED[family]})
+    private_cache(tmp_path / "cache", monkeypatch)
+    path = str(tmp_path / f"q-{family}.gguf")
+    t = gguf.GGMLQuantizationType
+    write_deepseek_gguf(folder, path, newer=newer, quant={
+        "attn_q": t.Q8_0, "attn_q_a": t.Q8_0, "attn_q_b": t.Q4_0, "attn_kv_a_mqa": t.Q8_0,
+        "ffn_gate_shexp": t.Q4_1, "ffn_up_shexp": t.Q4_1, "ffn_down_shexp": t.Q8_0,
+        "ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q4_0, "ffn_down_exps": t.Q8_0})
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(QUANTIZED))
+def test_quantized_deepseek_gguf_serves_mla_and_shared_experts_from_blocks(tmp_path, monkeypatch, family):
+    """MLA's q / q_a / q_b and kv_a projections (their rope rows de-interleaved as the float path does) and
+    the shared experts are QuantLinears, never loaded as float32; the same file dequantized gives the same
+    tokens and prompt logprobs within 2e-3."""
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+    path = _quantized_deepseek(tmp_path, monkeypatch, family)
+    ids = PROMPTS[0]
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    kw = dict(model_path=path, max_total_tokens=512)
+    runs = []
+    for dtype in ("auto", "float32"):
+        with Engine(**kw, dtype=dtype) as engine:
+            model = engine.scheduler.runner.model
+            attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+            projections = [attn.q_b_proj, attn.kv_a_proj_with_mqa, moe.shared_experts.gate_up_proj,
+                           moe.shared_experts.down_proj] + ([attn.q_a_proj] if attn.q_a_proj is not None else [])
+            assert all(isinstance(p, QuantLinear) for p in projections) == (dtype == "auto"), family
+            if dtype == "auto":
+                assert {"layers.1.self_attn.q_b_proj.weight", "layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                        "layers.1.mlp.shared_experts.down_proj.weight"} <= model.deferred_params
+                assert not any(p.is_meta for p in model.parameters())
+            runs.append((engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                         logprob_start_len=0),
+                         engine.generate(input_ids=ids, sampling_params=greedy)["output_ids"]))
+    (got, tokens), (want, want_tokens) = runs
+    a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
+    b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
+    assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3, (family, (a - b).abs().max())
+    assert tokens == want_tokens, family
+
+
+@pytest.mark.e2e
+def test_quantized_deepseek_gguf_tp2_matches_tp1(tmp_path, monkeypatch):
+    """Under tp=2 each rank holds its heads' rows of q_b's blocks and the whole kv_a / q_a blocks; the shared
+    experts' gate/up rows are split, their down_proj's 16 inputs a rank would cut a group (kept float32)."""
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from tp_runs import all_logprobs, run_shared_prefix
+    path = _quantized_deepseek(tmp_path, monkeypatch, "deepseek_v3")
+    kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
+    with Engine(**kw) as single:
+        want = run_shared_prefix(single)
+    with Engine(**kw, tp_size=2) as engine:
+        attn = engine.scheduler.runner.model.layers[1].self_attn
+        assert isinstance(attn.q_b_proj, QuantLinear) and attn.q_b_proj.out_features == 3 * (16 + 8)
+        assert isinstance(attn.kv_a_proj_with_mqa, QuantLinear) and attn.kv_a_proj_with_mqa.out_features == 32 + 8
+        got = run_shared_prefix(engine)
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        assert all_logprobs(g) == pytest.approx(all_logprobs(w), rel=1e-4, abs=1e-4)

@@ -110,6 +110,10 @@ class DecodedBlocks(NamedTuple):
     def rows(self, first: int, end: int) -> DecodedBlocks:
         return self._replace(q=self.q[first:end], scale=self.scale[first:end], offset=self.offset[first:end])
 
+    def take_rows(self, index: np.ndarray) -> DecodedBlocks:
+        """The rows at ``index``, in its order (a model's row permutation: DeepSeek's rope rows)."""
+        return self._replace(q=self.q[index], scale=self.scale[index], offset=self.offset[index])
+
     def cols(self, first: int, end: int) -> DecodedBlocks:
         """Input features [first, end), both on group boundaries (whole groups: codes, scales, offsets)."""
         g = self.group

@@ -23,10 +23,13 @@ holds up to one rounding. With float32 activations, outputs match the ``--dtype 
 file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
 activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
 Tensors of other types (F16, Q5_0, Q2_K, ...) keep their dequantized float32 weights, with a log line
-naming them. A MoE layer's stacked expert tensors are served the same way (gguf_experts.py). q/k/v and
-gate/up are stacked into the model's fused projections (Phi-3's files hold them
-fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized
-embedding table. Decoding the blocks is gguf_blocks.py.
+naming them. A MoE layer's stacked expert tensors are served the same way (gguf_experts.py), and so are
+its shared experts. q/k/v and gate/up are stacked into the model's fused projections (Phi-3's files hold
+them fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized
+embedding table. DeepSeek's MLA projections q (or q_a and q_b) and kv_a are served from blocks too, their
+rows in the order the model keeps (its ``checkpoint_tensor`` de-interleaves the rope rows at load; the
+blocks run along rows, so whole rows move); kv_b stays float32 (layers/mla.py absorbs its two halves).
+Decoding the blocks is gguf_blocks.py.
 
 Under tensor parallelism (``--tp-size``) each rank keeps only its slice of every block tensor, cut from
 the decoded codes, scales and offsets: column-parallel projections (q/k/v, gate/up, the logits) take whole
@@ -122,15 +125,27 @@ def add_prefill_copies_(model: nn.Module, *, max_bytes: int | None = None) -> in
 
 # --- the model hook ---------------------------------------------------------------------------------------
 
-# GGUF tensor kind -> (the model's projection it fills, the parts of it the tensor holds, in row order)
+# GGUF tensor kind -> (the model's projection it fills, the parts of it the tensor holds, in row order);
+# the shared experts of Qwen2-MoE and DeepSeek MoE layers too
 _LINEARS = {"attn_q": ("qkv", ("q",)), "attn_k": ("qkv", ("k",)), "attn_v": ("qkv", ("v",)),
             "attn_output": ("o", ("o",)), "ffn_gate": ("gate_up", ("gate",)), "ffn_up": ("gate_up", ("up",)),
-            "ffn_down": ("down", ("down",))}
-# architectures whose files hold those projections fused (Phi-3: q/k/v as attn_qkv, gate and up as ffn_up)
-_FUSED_LINEARS = {"phi3": {"attn_qkv": ("qkv", ("q", "k", "v")), "ffn_up": ("gate_up", ("gate", "up")),
-                           "attn_output": ("o", ("o",)), "ffn_down": ("down", ("down",))}}
-_PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
-_ROW_PARALLEL = ("o", "down")  # split by input features under tensor parallelism; the others by output rows
+            "ffn_down": ("down", ("down",)), "ffn_gate_shexp": ("shared_gate_up", ("gate",)),
+            "ffn_up_shexp": ("shared_gate_up", ("up",)), "ffn_down_shexp": ("shared_down", ("down",))}
+_ARCH_LINEARS = {
+    # Phi-3's files hold q/k/v fused as attn_qkv, and gate and up as ffn_up
+    "phi3": {"attn_qkv": ("qkv", ("q", "k", "v")), "ffn_up": ("gate_up", ("gate", "up")),
+             "attn_output": ("o", ("o",)), "ffn_down": ("down", ("down",))},
+    # DeepSeek's multi-head latent attention: attn_q (no q_lora_rank) is q_b over the hidden state; kv_b is
+    # never a linear (layers/mla.py reads its absorbed halves) and stays float32
+    "deepseek2": {**_LINEARS, "attn_q": ("q_b", ("q_b",)), "attn_q_a": ("q_a", ("q_a",)),
+                  "attn_q_b": ("q_b", ("q_b",)), "attn_kv_a_mqa": ("kv_a", ("kv_a",))},
+}
+_PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",), "q_a": ("q_a",),
+          "q_b": ("q_b",), "kv_a": ("kv_a",), "shared_gate_up": ("gate", "up"), "shared_down": ("down",)}
+# split by input features under tensor parallelism; MLA's latent projections stay whole on every rank; the
+# others are split by output rows (q_b by heads)
+_ROW_PARALLEL = ("o", "down", "shared_down")
+_REPLICATED = ("q_a", "kv_a")
 # a row-parallel rank's input features must start and end on this boundary: the kept layouts' groups (32;
 # 16 for Q6_K) and the int8-activation kernels' groups of 32 (kernels/cpu/quant.py) are then the same
 # groups as on one rank, so each rank's partial sums are the single-rank sums' terms
@@ -148,7 +163,39 @@ def is_quantized_gguf(path: str) -> bool:
 
 
 _ROOMS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
-          "down": ("mlp", "down_proj")}
+          "down": ("mlp", "down_proj"), "q_a": ("self_attn", "q_a_proj"), "q_b": ("self_attn", "q_b_proj"),
+          "kv_a": ("self_attn", "kv_a_proj_with_mqa")}
+_SHARED = {"shared_gate_up": "gate_up_proj", "shared_down": "down_proj"}
+
+
+def _module_path(layer: nn.Module, target: str) -> str | None:
+    """The projection's path in a decoder layer (self_attn.q_b_proj, mlp.shared_experts.down_proj), or None."""
+    if target in _SHARED:
+        mlp = getattr(layer, "mlp", None)
+        for name in ("shared_experts", "shared_expert"):  # DeepSeek's, Qwen2-MoE's
+            if isinstance(getattr(mlp, name, None), nn.Module):
+                return f"mlp.{name}.{_SHARED[target]}"
+        return None
+    return ".".join(_ROOMS[target])
+
+
+def _owner(layer: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """(the module holding the projection at ``path``, its attribute name)."""
+    *rooms, attr = path.split(".")
+    owner: Any = layer
+    for room in rooms:
+        owner = getattr(owner, room, None)
+    return owner, attr
+
+
+def _column_span(part: str, rows: int, tp: TPComm, n_kv: int) -> tuple[int, int]:
+    """The rows [first, end) of a column-parallel part this rank holds."""
+    if part in _REPLICATED:
+        return 0, rows
+    if part == "q_b":  # whole heads of nope + rope rows, evenly over the ranks (deepseek_v2._rank_slice)
+        per = rows // tp.size
+        return tp.rank * per, (tp.rank + 1) * per
+    return column_part_rows(part, rows, tp, num_kv_heads=n_kv)
 
 
 class _Swap(NamedTuple):
@@ -195,12 +242,12 @@ def _rank_shape(model: nn.Module, target: str, rows: dict[str, int], cols: int) 
     if target in _ROW_PARALLEL:
         return sum(rows.values()), cols // tp.size
     n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    spans = [column_part_rows(part, n, tp, num_kv_heads=n_kv) for part, n in rows.items()]
+    spans = [_column_span(part, n, tp, n_kv) for part, n in rows.items()]
     return sum(end - first for first, end in spans), cols
 
 
 def _plan(model: nn.Module, reader: Any) -> _Plan:
-    linears = _FUSED_LINEARS.get(reader.fields["general.architecture"], _LINEARS)
+    linears = _ARCH_LINEARS.get(reader.fields["general.architecture"], _LINEARS)
     pieces: dict[tuple[int, str], list[Any]] = {}
     kept: list[str] = []
     unaligned: list[str] = []
@@ -224,8 +271,9 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
     tp = getattr(model, "tp", None)
     swaps = {}
     for (layer_id, target), got in pieces.items():
-        room, attr = _ROOMS[target]
-        old = getattr(getattr(model.layers[layer_id], room, None), attr, None)
+        path = _module_path(model.layers[layer_id], target)
+        owner, attr = _owner(model.layers[layer_id], path) if path else (None, "")
+        old = getattr(owner, attr, None)
         order = _PARTS[target]
         got.sort(key=lambda t: order.index(linears[t.name.split(".")[2]][1][0]))
         held = [linears[t.name.split(".")[2]][1] for t in got]
@@ -253,7 +301,8 @@ def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
 
     reader = read_gguf(gguf_path)
     plan = _plan(model, reader)
-    names = {f"layers.{layer_id}.{'.'.join(_ROOMS[target])}.weight" for layer_id, target in plan.swaps}
+    names = {f"layers.{layer_id}.{_module_path(model.layers[layer_id], target)}.weight"
+             for layer_id, target in plan.swaps}
     names |= expert_param_names(plan_experts(model, reader, align=TP_INPUT_ALIGN)[0])
     if plan.logits is not None and getattr(model, "lm_head", None) is not None:
         names.add("lm_head.weight")
@@ -283,11 +332,24 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
         q, scale, offset = (restore_layout(arch, t.name, a, n_head, n_kv) for a in (q, scale, offset))
         return DecodedBlocks(kind, q, scale, offset, group)
 
-    def rank_parts(target: str, swap: _Swap) -> list[qk.QuantWeight]:
+    def model_rows(name: str, full: DecodedBlocks) -> DecodedBlocks:
+        """The rows in the order the model keeps them: its ``checkpoint_tensor`` applied to the row numbers
+        (DeepSeek de-interleaves the rope rows of q_b and kv_a; the other families keep the file's order)."""
+        n = full.q.shape[0]
+        order = model.checkpoint_tensor(name, torch.arange(n, dtype=torch.float64)[:, None])
+        index = order[:, 0].round().long()
+        if torch.equal(index, torch.arange(n)):
+            return full
+        if not torch.equal(index.sort().values, torch.arange(n)):
+            raise RuntimeError(f"{name}: the model's load-time change is not a row order; it cannot keep blocks")
+        return full.take_rows(index.numpy())
+
+    def rank_parts(layer_id: int, target: str, swap: _Swap) -> list[qk.QuantWeight]:
         rows = swap.part_rows
+        name = f"layers.{layer_id}.{_module_path(model.layers[layer_id], target)}.weight"
         out = []
         for t, held in zip(swap.tensors, swap.parts):
-            full = blocks(t)
+            full = model_rows(name, blocks(t))
             first = 0
             for part in held:  # a fused tensor is cut into its parts first
                 piece = full.rows(first, first + rows[part])
@@ -296,17 +358,16 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
                     per = piece.q.shape[1] // tp.size
                     piece = piece.cols(tp.rank * per, (tp.rank + 1) * per)
                 elif tp is not None:
-                    piece = piece.rows(*column_part_rows(part, rows[part], tp, num_kv_heads=n_kv))
+                    piece = piece.rows(*_column_span(part, rows[part], tp, n_kv))
                 out.append(piece.weight())
         return out
 
     swapped: dict[str, int] = {}
     for (layer_id, target), swap in plan.swaps.items():
-        room, attr = _ROOMS[target]
-        owner = getattr(model.layers[layer_id], room)
+        owner, attr = _owner(model.layers[layer_id], str(_module_path(model.layers[layer_id], target)))
         old = getattr(owner, attr)
         kinds = "/".join(sorted({t.tensor_type.name for t in swap.tensors}))
-        weight = qk.QuantWeight.concat(rank_parts(target, swap))
+        weight = qk.QuantWeight.concat(rank_parts(layer_id, target, swap))
         bias = getattr(old, "bias", None)
         setattr(owner, attr, QuantLinear(weight, bias, kinds) if tp is None or target not in _ROW_PARALLEL
                 else RowParallelQuantLinear(weight, bias, kinds, tp=tp))
