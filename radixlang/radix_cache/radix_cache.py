@@ -21,7 +21,7 @@ import torch
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "swa_lock_ref", "swa_tombstone")
 
     def __init__(self, parent: TreeNode | None = None) -> None:
         self.children: dict[Hashable, TreeNode] = {}
@@ -30,6 +30,9 @@ class TreeNode:
         self.value: torch.Tensor = torch.empty(0, dtype=torch.int64)  # [len(key)] int64 KV slots
         self.lock_ref = 0
         self.last_access = 0
+        # SWARadixCache (swa_radix_cache.py): locks on the window KV, and whether the window KV is gone
+        self.swa_lock_ref = 0
+        self.swa_tombstone = False
 
     def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
@@ -142,6 +145,7 @@ class RadixCache:
         upper = TreeNode(parent=parent)
         upper.key, upper.value = child.key[:n], child.value[:n]
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.swa_lock_ref, upper.swa_tombstone = child.swa_lock_ref, child.swa_tombstone
         parent.children[self._child_key(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key)] = child
@@ -179,12 +183,16 @@ class RadixCache:
             leaf = heapq.heappop(heap)
             free_fn(leaf.value)
             freed += len(leaf.key)
-            self._evictable -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[self._child_key(leaf.key)]
+            self._remove_leaf(leaf)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        """Detach an unlocked leaf whose slots were freed."""
+        self._evictable -= len(leaf.key)
+        del leaf.parent.children[self._child_key(leaf.key)]
 
     def evictable_size(self) -> int:
         return self._evictable
