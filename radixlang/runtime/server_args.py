@@ -48,6 +48,11 @@ class ServerArgs:
     max_running_requests: int = _f(256, "max requests decoding at once")
     max_prefill_tokens: int = _f(8192, "max new prompt tokens in one prefill batch")
     chunked_prefill_size: int = _f(2048, "split prompts longer than this into chunks (-1 disables)")
+    swa_full_tokens_ratio: float = _f(0.8, "sliding-window models: KV slots of the window layers per slot of the "
+                                           "full-attention layers (window layers drop the KV of tokens no query "
+                                           "can see any more, so they need fewer)")
+    disable_hybrid_swa_memory: bool = _f(False, "sliding-window models: keep every layer's KV for every token "
+                                                "(one slot space, as for a model without windows)")
     schedule_policy: str = _f("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     disable_radix_cache: bool = _f(False, "turn off prefix sharing across requests")
     page_size: int = _f(1, "tokens per radix-tree page; only 1 is supported (the KV pool is token-granular)")
@@ -143,6 +148,8 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
 

@@ -33,6 +33,11 @@ class ForwardMode(enum.IntEnum):
 
 
 class KVPoolLike(Protocol):
+    # [slots + 1] int64 swa slot of each token slot where window layers keep KV in a second, smaller slot
+    # space (the runtime's SWATokenToKVPool; 0 = freed), else None; ``is_swa_layer`` names those layers
+    full_to_swa: torch.Tensor | None
+
+    def is_swa_layer(self, layer_id: int) -> bool: ...
     def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...  # [size, num_kv_heads, head_dim]
     def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...  # [size, num_kv_heads, head_dim]
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...

@@ -20,6 +20,7 @@ import torch
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.attention.base import AttentionLayerLike, ForwardBatchLike
+from radixlang.kernels.attention.swa_index import SwaIndices, swa_indices
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 
 
@@ -35,6 +36,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self._req_idx = self._seq_lens = None
         self._extend_kernel = cpu_ops.extend_fits(head_dim, num_heads, num_kv_heads)
         self._ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # q_start, prefix, extend lens
+        self._swa: SwaIndices | None = None  # window layers' indices when the pool has an swa slot space
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         self._plain_reqs = None  # built on first use by a layer the kernels cannot run
@@ -45,12 +47,14 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         # the kernels trust these for every layer: check them once per step
         req_idx, seq_lens = forward_batch.req_pool_indices.contiguous(), forward_batch.seq_lens.contiguous()
         r2t, loc = forward_batch.req_to_token, forward_batch.out_cache_loc
-        slots = forward_batch.token_to_kv_pool.get_key_buffer(0).shape[0]
+        pool = forward_batch.token_to_kv_pool
+        slots = pool.get_key_buffer(0).shape[0] if pool.full_to_swa is None else pool.full_to_swa.shape[0]
         if len(req_idx) and (int(req_idx.min()) < 0 or int(req_idx.max()) >= r2t.shape[0]
                              or int(seq_lens.min()) < 1 or int(seq_lens.max()) > r2t.shape[1]
                              or (len(loc) and (int(loc.min()) < 0 or int(loc.max()) >= slots))):
             raise ValueError("attention metadata falls outside req_to_token or the KV pool")
         self._req_idx, self._seq_lens = req_idx, seq_lens
+        self._swa = swa_indices(forward_batch)
         if decode:
             return
         prefix = forward_batch.extend_prefix_lens_cpu
@@ -75,12 +79,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             raise RuntimeError("extend_metadata before init_forward_metadata")
         return (self._req_idx, *self._ext)
 
+    def _indices(self, layer: AttentionLayerLike,
+                 forward_batch: ForwardBatchLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(req_to_token, req_pool_indices, out_cache_loc) in the slot space of the layer's buffers."""
+        if self._swa is not None and forward_batch.token_to_kv_pool.is_swa_layer(layer.layer_id):
+            return self._swa
+        return forward_batch.req_to_token, self._req_idx, forward_batch.out_cache_loc
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> None:
+               layer: AttentionLayerLike, forward_batch: ForwardBatchLike, loc: torch.Tensor) -> None:
+        """Write the new tokens' k/v at ``loc``, slots of k_buf / v_buf's space."""
         if (k.dtype == v.dtype == k_buf.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1
                 and k.stride(1) == v.stride(1) == k.shape[2]):
-            cpu_ops.store_kv(k, v, k_buf, v_buf, forward_batch.out_cache_loc, check=False)
-        else:
+            cpu_ops.store_kv(k, v, k_buf, v_buf, loc, check=False)
+        else:  # the pool translates full slots itself
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
 
     @staticmethod
@@ -109,9 +121,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return super().forward_extend(q, k, v, layer, forward_batch)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        self._store(k, v, k_buf, v_buf, layer, forward_batch)
+        r2t, req_idx, loc = self._indices(layer, forward_batch)
+        self._store(k, v, k_buf, v_buf, layer, forward_batch, loc)
         q_start, prefix, extend = self._ext
-        out = cpu_ops.extend_attention(self._query(q), k_buf, v_buf, forward_batch.req_to_token, self._req_idx,
+        out = cpu_ops.extend_attention(self._query(q), k_buf, v_buf, r2t, req_idx,
                                        q_start, prefix, extend, layer.scaling, **self._features(layer), check=False)
         return out.to(q.dtype)
 
@@ -119,7 +132,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        self._store(k, v, k_buf, v_buf, layer, forward_batch)
-        out = cpu_ops.decode_attention(self._query(q), k_buf, v_buf, forward_batch.req_to_token, self._req_idx,
+        r2t, req_idx, loc = self._indices(layer, forward_batch)
+        self._store(k, v, k_buf, v_buf, layer, forward_batch, loc)
+        out = cpu_ops.decode_attention(self._query(q), k_buf, v_buf, r2t, req_idx,
                                        self._seq_lens, layer.scaling, **self._features(layer), check=False)
         return out.to(q.dtype)

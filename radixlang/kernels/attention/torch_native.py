@@ -70,6 +70,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         # an MLA decode's padded contexts, built from (and valid with) that _plain_reqs list:
         # (the list, slots [bs, S] int64, key visible [bs, 1, S] bool)
         self._mla_pad: tuple[list, torch.Tensor, torch.Tensor] | None = None
+        # window layers' copy of that list in swa slots (pools with an swa slot space), valid with that list
+        self._plain_swa: tuple[list, list[tuple[int, int, torch.Tensor, torch.Tensor]]] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         seq_lens = forward_batch.seq_lens_cpu
@@ -130,13 +132,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        reqs = self._plain_reqs
+        if pool.full_to_swa is not None and pool.is_swa_layer(layer.layer_id):
+            if self._plain_swa is None or self._plain_swa[0] is not reqs:  # built once a step
+                self._plain_swa = (reqs, [(s, e, pool.full_to_swa[loc], p) for s, e, loc, p in reqs])
+            reqs = self._plain_swa[1]
         window = getattr(layer, "sliding_window", None)
         cap = getattr(layer, "logit_softcap", None)
         sinks = getattr(layer, "sinks", None)  # [num_heads] logits, or None
         qf = q.to(k_buf.dtype)
         out = torch.empty_like(qf)
         rep = layer.num_heads // layer.num_kv_heads
-        for start, extend_len, loc, q_pos in self._plain_reqs:
+        for start, extend_len, loc, q_pos in reqs:
             qi = qf[start:start + extend_len].transpose(0, 1)  # [num_heads, e, head_dim]
             ki = k_buf.index_select(0, loc).transpose(0, 1).repeat_interleave(rep, dim=0)  # [num_heads, total, d]
             vi = v_buf.index_select(0, loc).transpose(0, 1).repeat_interleave(rep, dim=0)

@@ -21,8 +21,9 @@ class KVSlots:
         self.cache = cache
 
     def room(self) -> int:
-        """KV slots free now or after evicting every unlocked cached slot."""
-        return self.kv_pool.available_size() + self.cache.evictable_size()
+        """Tokens that can get KV slots now or after evicting every unlocked cached slot (in both slot
+        spaces of an swa pool)."""
+        return self.cache.room()
 
     def admit(self, req: Req) -> bool:
         """Give a waiting request a request slot and its cached prefix; False if no slot is free."""
@@ -30,6 +31,7 @@ class KVSlots:
         if slots is None:
             return False
         req.req_pool_idx = slots[0]
+        req.swa_freed_len = 0
         limit = req.seq_len - 1  # always compute at least one token: its logits are needed
         if req.return_logprob:
             limit = min(limit, req.input_logprob_start)
@@ -55,8 +57,7 @@ class KVSlots:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` KV slots [n] int64, evicting cached ones if needed; None when even that is short."""
-        if self.kv_pool.available_size() < n:
-            self.cache.evict(n - self.kv_pool.available_size())
+        self.cache.make_room(n)
         return self.kv_pool.alloc(n)
 
     def reserve_extend(self, req: Req, ext: int, *, headroom: int) -> bool:
@@ -102,6 +103,11 @@ class KVSlots:
             rejected = r2t[req.req_pool_idx, req.kv_len + accepted:req.kv_len + drafted]
             self.kv_pool.free(rejected.to(torch.int64))
         req.kv_len += accepted
+
+    def trim_windows(self, reqs: list[Req]) -> None:
+        """Free the window KV the requests' next queries cannot see (pools with an swa slot space)."""
+        for req in reqs:
+            self.cache.trim_window(req)
 
     def release(self, req: Req, *, keep: bool) -> None:
         """Free the request's slots; with ``keep`` its computed tokens first go to the prefix cache."""

@@ -30,6 +30,7 @@ class Req:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None  # radix node locked for this request
     kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
+    swa_freed_len: int = 0  # own tokens before this lost their window-layer KV (mem_cache/swa_req_cache.py)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
     cache_namespace: tuple | None = None  # the radix-tree namespace its KV is shared in (CachedReq)
     # output state

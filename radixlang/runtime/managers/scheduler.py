@@ -35,6 +35,8 @@ from radixlang.runtime.managers.scheduler_stats import SchedulerStats, find_memo
 from radixlang.runtime.managers.stop import check_finished
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.mem_cache.req_cache import NoReqCache, ReqCache
+from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
+from radixlang.runtime.mem_cache.swa_req_cache import SWANoReqCache, SWATreeReqCache
 from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
 from radixlang.runtime.model_executor.model_runner import ModelRunner
 from radixlang.runtime.model_executor.runner import Runner
@@ -288,6 +290,7 @@ class Scheduler:
             self._sample_and_append([batch.reqs[i] for i in sample_rows],
                                     logits[[logprob_spans[i][1] for i in sample_rows]])
         self._update_running(batch)
+        self.kv.trim_windows(self.running)
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         # every prefilled prompt (and each chunk of a long one) becomes shareable before it finishes
@@ -443,6 +446,10 @@ class Scheduler:
 
 
 def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ReqCache:
+    if isinstance(kv_pool, SWATokenToKVPool):  # window layers in their own slot space: trim and tombstone
+        if args.disable_radix_cache:
+            return SWANoReqCache(req_pool, kv_pool)
+        return SWATreeReqCache(req_pool, kv_pool, page_size=args.page_size)
     if args.disable_radix_cache:
         return NoReqCache(req_pool, kv_pool)
     return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)

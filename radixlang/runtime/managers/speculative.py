@@ -149,7 +149,8 @@ class DraftModelDrafter:
             load_format="dummy" if args.load_format == "dummy" else "auto",
             quantization=None, dtype="auto", speculative_algorithm=None, speculative_num_draft_tokens=None,
             speculative_draft_model_path=None, tp_size=1, nnodes=1, node_rank=0, dist_init_addr=None, dp_size=1,
-            max_running_requests=args.max_running_requests, disable_cuda_graph=True).resolve()
+            max_running_requests=args.max_running_requests, disable_cuda_graph=True,
+            disable_hybrid_swa_memory=True).resolve()  # the drafter's KV bookkeeping never drops window KV
         self.runner = ModelRunner(draft_args)
         if self.runner.vocab_size != target_vocab:
             raise ValueError(f"the draft model {args.speculative_draft_model_path} has a vocabulary of "

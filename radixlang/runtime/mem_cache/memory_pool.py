@@ -44,6 +44,9 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
+    # one slot space for every layer: no window layer reads through a second one (swa_memory_pool.py)
+    full_to_swa: torch.Tensor | None = None
+
     def __init__(self, size: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device,
                  layer_shapes: list[tuple[int, int]] | None = None) -> None:
@@ -104,6 +107,9 @@ class TokenToKVPool:
         self._free[0] = False
         self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
         self._num_free = self.size
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return False
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

@@ -24,6 +24,7 @@ class CachedReq(Protocol):
     # the tree namespace its KV is shared in (None: the shared tree); requests whose KV differs for the
     # same tokens live apart (a prompt rotated by its length: models/layers/rotary.py rope_length_key)
     cache_namespace: Hashable | None
+    swa_freed_len: int  # its own tokens before this lost their window KV (swa pools: swa_req_cache.py)
 
     @property
     def fill_ids(self) -> list[int]: ...
@@ -38,7 +39,9 @@ class ReqCache(Protocol):
     ``match`` returns the cached prefix's KV slots and the node to ``lock``; ``cache_unfinished``
     hands a request's computed tokens to the cache (re-pointing its row at shared slots);
     ``release`` frees what the request still owns and its pool slot; ``evict`` frees up to
-    ``num_tokens`` unlocked cached slots and returns how many it freed.
+    ``num_tokens`` unlocked cached slots and returns how many it freed. ``room`` is how many tokens could
+    get KV slots now (after evicting), ``make_room(n)`` evicts until n can; ``trim_window`` frees the window
+    KV a running request's next queries cannot see (a no-op but for pools with an swa slot space).
     """
 
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, Any]: ...
@@ -50,6 +53,10 @@ class ReqCache(Protocol):
     def cache_unfinished(self, req: CachedReq) -> None: ...
     def release(self, req: CachedReq) -> None: ...
     def evict(self, num_tokens: int) -> int: ...
+    def room(self) -> int: ...
+    def make_room(self, num_tokens: int) -> None: ...
+    def trim_window(self, req: CachedReq) -> None: ...
+    def swa_cached_size(self) -> int: ...
     def evictable_size(self) -> int: ...
     def protected_size(self) -> int: ...
     def cached_size(self) -> int: ...
@@ -96,6 +103,18 @@ class NoReqCache:
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
 
     def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def room(self) -> int:
+        return self.kv_pool.available_size()
+
+    def make_room(self, num_tokens: int) -> None:
+        pass  # nothing cached to evict
+
+    def trim_window(self, req: CachedReq) -> None:
+        pass  # one slot space: every layer keeps every token
+
+    def swa_cached_size(self) -> int:
         return 0
 
     def evictable_size(self) -> int:

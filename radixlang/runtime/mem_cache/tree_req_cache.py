@@ -82,15 +82,23 @@ class TreeReqCache:
         tokens = req.fill_ids[:kv_len]
         kv = row[:kv_len].to(torch.int64)
         own_start = int(req.prefix_indices.numel())
-        matched = self.tree.insert(tokens, kv, req.cache_namespace)
+        matched = self._insert(req, tokens, kv)
         if matched > own_start:  # someone else cached these positions meanwhile: ours are duplicates
             self.kv_pool.free(kv[own_start:matched])
-        new_kv, new_node = self.tree.match_prefix(tokens, req.cache_namespace)
+        new_kv, new_node = self._match_inserted(req, tokens)
         n = int(new_kv.numel())
         row[own_start:n] = new_kv[own_start:].to(torch.int32)
         self.tree.inc_lock_ref(new_node)
         self.unlock(req.last_node)
         req.prefix_indices, req.last_node = new_kv, new_node
+
+    def _insert(self, req: CachedReq, tokens: list[int], kv: torch.Tensor) -> int:
+        """Insert the request's computed tokens; return how many were cached already."""
+        return self.tree.insert(tokens, kv, req.cache_namespace)
+
+    def _match_inserted(self, req: CachedReq, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """The cached copy of tokens just inserted: what the request runs on from now."""
+        return self.tree.match_prefix(tokens, req.cache_namespace)
 
     def release(self, req: CachedReq) -> None:
         """Free the slots the request owns beyond its tree prefix, and its request slot (lock already dropped)."""
@@ -107,6 +115,19 @@ class TreeReqCache:
 
     def evict(self, num_tokens: int) -> int:
         return self.tree.evict(num_tokens, self.kv_pool.free)
+
+    def room(self) -> int:
+        return self.kv_pool.available_size() + self.tree.evictable_size()
+
+    def make_room(self, num_tokens: int) -> None:
+        if self.kv_pool.available_size() < num_tokens:
+            self.evict(num_tokens - self.kv_pool.available_size())
+
+    def trim_window(self, req: CachedReq) -> None:
+        pass  # one slot space: every layer keeps every token
+
+    def swa_cached_size(self) -> int:
+        return 0
 
     def evictable_size(self) -> int:
         return self.tree.evictable_size()

@@ -20,7 +20,8 @@ from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
-from radixlang.runtime.models.layers.attention_config import check_backend_features
+from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
+from radixlang.runtime.models.layers.attention_config import check_backend_features, layer_windows
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
@@ -99,6 +100,7 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = rope_context_length(self.hf_config)
         self.context_len = min(args.context_length or model_ctx, model_ctx)
+        self.layer_windows = self._swa_layer_windows(args)
         self.max_total_tokens = args.max_total_tokens or self._auto_kv_tokens()
         self.max_running = min(args.max_running_requests, self.max_total_tokens)
         if self.tp is not None:  # every rank sizes its pools like rank 0: same slots, its own heads
@@ -106,40 +108,89 @@ class ModelRunner:
                 [self.max_total_tokens, self.max_running, self.context_len])
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
         self.kv_pool = self._make_kv_pool(self.max_total_tokens)
+        if isinstance(self.kv_pool, SWATokenToKVPool) and getattr(self.model, "decode_stack", None) is not None:
+            # the fused step reads every layer's KV by token slot; window layers here need the swa slots
+            logger.info("sliding-window KV in its own slot space: decode runs layer by layer (no fused step)")
+            self.model.decode_stack = None
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype,
                                                  flashinfer_backend=args.flashinfer_backend)
         check_backend_features(self.model, self.attn_backend, args.attention_backend)
-        logger.info("model %s: %d layers, kv pool %d tokens (%.1f MiB, %d bytes per token), context %d, "
+        swa = f", window layers' KV in {self.kv_pool.swa_size} swa slots" \
+            if isinstance(self.kv_pool, SWATokenToKVPool) else ""
+        logger.info("model %s: %d layers, kv pool %d tokens%s (%.1f MiB, %d bytes per token), context %d, "
                     "attention %s%s", self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens,
-                    self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, self.context_len,
+                    swa, self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, self.context_len,
                     args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
+
+    def _swa_layer_windows(self, args: ServerArgs) -> list[int | None] | None:
+        """Each layer's window where window layers get a slot space of their own (some window is shorter
+        than the context), else None: one slot space for every layer."""
+        if args.disable_hybrid_swa_memory or getattr(self.model, "mla_latent", None) is not None:
+            return None
+        windows = [w if w and w < self.context_len else None
+                   for w in layer_windows(self.model, self.hf_config.num_hidden_layers)]
+        if not any(windows):
+            return None
+        if self.tp is not None or args.tp_size > 1 or args.attention_backend not in ("torch", "cpu"):
+            # the followers and the triton / flashinfer kernels read window layers by token slot
+            logger.info("sliding-window layers keep KV for every token (an swa slot space needs tp_size 1 and "
+                        "the torch or cpu attention backend, got tp_size %d, %s)", args.tp_size,
+                        args.attention_backend)
+            return None
+        return windows
+
+    def _swa_size(self, size: int) -> int:
+        """Window layers' slots: ``swa_full_tokens_ratio`` of the full slots, but at least what one request
+        needs alone (a prefill chunk, its last window of tokens and its cached prefix's last window)."""
+        if self.layer_windows is None:
+            raise RuntimeError("_swa_size without window layers")
+        window = max(w for w in self.layer_windows if w)
+        chunk = self.args.max_prefill_tokens
+        if self.args.chunked_prefill_size > 0:
+            chunk = min(chunk, self.args.chunked_prefill_size)
+        return min(size, max(int(self.args.swa_full_tokens_ratio * size), chunk + 2 * window))
 
     def _make_kv_pool(self, size: int) -> TokenToKVPool:
         """Per-head k and v per layer, or (MLA: the model's ``mla_latent`` = (latent_dim, value_dim)) one
-        compressed latent per token and layer."""
+        compressed latent per token and layer; window layers in a slot space of their own (``SWATokenToKVPool``)
+        where ``_swa_layer_windows`` allows."""
         mla = getattr(self.model, "mla_latent", None)
         if mla is not None:
             return MLATokenToKVPool(size, num_layers=self.hf_config.num_hidden_layers, latent_dim=mla[0],
                                     value_dim=mla[1], dtype=self.kv_dtype, device=self.device)
+        if self.layer_windows is not None:
+            return SWATokenToKVPool(size, self._swa_size(size), layer_windows=self.layer_windows,
+                                    layer_shapes=self.model.kv_layer_shapes(), dtype=self.kv_dtype,
+                                    device=self.device)
         return TokenToKVPool(size, num_layers=self.hf_config.num_hidden_layers,
                              num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
                              dtype=self.kv_dtype, device=self.device, layer_shapes=self.model.kv_layer_shapes())
 
-    def _auto_kv_tokens(self) -> int:
-        # the model's real per-token KV bytes (layers may differ in kv heads and head size; MLA caches a latent)
+    def _per_token_bytes(self) -> float:
+        """KV bytes one full slot costs, its share of the swa slots included (ratio x window layers' bytes)."""
         mla = getattr(self.model, "mla_latent", None)
         if mla is not None:
-            per_token = MLATokenToKVPool.latent_bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
-                                                                latent_dim=mla[0], dtype=self.kv_dtype)
-        else:
-            per_token = TokenToKVPool.layers_bytes_per_token(self.model.kv_layer_shapes(), self.kv_dtype)
+            return MLATokenToKVPool.latent_bytes_per_token(num_layers=self.hf_config.num_hidden_layers,
+                                                           latent_dim=mla[0], dtype=self.kv_dtype)
+        shapes = self.model.kv_layer_shapes()
+        if self.layer_windows is None:
+            return TokenToKVPool.layers_bytes_per_token(shapes, self.kv_dtype)
+        full = [s for s, w in zip(shapes, self.layer_windows) if not w]
+        swa = [s for s, w in zip(shapes, self.layer_windows) if w]
+        return (TokenToKVPool.layers_bytes_per_token(full, self.kv_dtype)
+                + self.args.swa_full_tokens_ratio * TokenToKVPool.layers_bytes_per_token(swa, self.kv_dtype))
+
+    def _auto_kv_tokens(self) -> int:
+        # the model's real per-token KV bytes (layers may differ in kv heads and head size; MLA caches a latent;
+        # window layers hold a share of the tokens)
+        per_token = self._per_token_bytes()
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
         else:
             free = _host_available_bytes()
-        tokens = int(free * self.args.mem_fraction_static) // per_token
+        tokens = int(int(free * self.args.mem_fraction_static) // per_token)
         return max(256, min(tokens, 1 << 20))
 
     # ---- CUDA graphs (decode) ----
