@@ -191,6 +191,8 @@ class RadixCache:
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
         """Detach an unlocked leaf whose slots were freed."""
+        if leaf.parent is None:
+            raise RuntimeError("cannot remove a root")
         self._evictable -= len(leaf.key)
         del leaf.parent.children[self._child_key(leaf.key)]
 
