@@ -174,3 +174,36 @@ def test_fused_step_takes_speculative_verifies(tmp_path):
     for (ft, fl), (pt, pl) in zip(fused, plain):
         assert ft == pt
         assert max(abs(a - b) for a, b in zip(fl, pl)) < 1e-4
+
+
+@pytest.mark.e2e
+def test_fused_decode_reads_window_layers_through_the_swa_map(tmp_path):
+    """A Mistral-style model with its window KV in a small swa slot space (the slots wrap around within the
+    first requests, so a token's swa slot differs from its full slot): the fused step's tokens and logprobs
+    are the layer-by-layer path's over generations many windows long."""
+    from radixlang import Engine
+    from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
+    arch, overrides = FAMILIES["mistral_sliding"]
+    folder = save_tiny_hf_model(str(tmp_path / "m"), arch, seed=5, **{**overrides, "sliding_window": 8})
+    long = {**GREEDY, "max_new_tokens": 48}
+    with Engine(model_path=folder, quantization="int4", max_total_tokens=1024, chunked_prefill_size=16,
+                swa_full_tokens_ratio=0.05) as engine:
+        assert isinstance(engine.scheduler.kv_pool, SWATokenToKVPool)
+        model = engine.scheduler.runner.model
+        stack = model.decode_stack
+        assert stack is not None, why_not(model)
+        calls = []
+        forward = stack.forward
+        stack.forward = lambda *a: calls.append(1) or forward(*a)
+        runs = [engine.generate(input_ids=PROMPTS[:k], sampling_params=long, return_logprob=True) for k in (1, 2)]
+        fused = [[o["meta_info"]["output_token_logprobs"] for o in r] for r in runs]
+        assert len(calls) >= 2 * 47
+        model.decode_stack = None
+        engine.flush_cache()
+        runs = [engine.generate(input_ids=PROMPTS[:k], sampling_params=long, return_logprob=True) for k in (1, 2)]
+        plain = [[o["meta_info"]["output_token_logprobs"] for o in r] for r in runs]
+        engine.check_memory_leak()
+    for fb, pb in zip(fused, plain):
+        for f, p in zip(fb, pb):
+            assert [t for _, t, _ in f] == [t for _, t, _ in p]
+            assert max(abs(a - b) for (a, _, _), (b, _, _) in zip(f, p)) < 1e-4

@@ -81,6 +81,8 @@ def _attend(backend_cls, pool: TokenToKVPool, kv: list[tuple[torch.Tensor, torch
     reqs = ReqToTokenPool(1, 32, "cpu")
     loc = pool.alloc(n + 1)
     reqs.req_to_token[0, :n + 1] = loc.to(torch.int32)
+    if isinstance(pool, SWATokenToKVPool):  # any one-to-one map will do: one a backend cannot read past
+        pool.full_to_swa[loc] = pool.full_to_swa[loc][torch.randperm(n + 1, generator=torch.Generator().manual_seed(1))]
     backend = backend_cls(HEADS, KV_HEADS, DIM)
     outs = []
     for mode, lo, hi in ((ForwardMode.EXTEND, 0, n), (ForwardMode.DECODE, n, n + 1)):

@@ -40,6 +40,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatchLike) -> None:
         self._plain_reqs = None  # built on first use by a layer the kernels cannot run
+        self._swa = None
         decode = forward_batch.forward_mode.is_decode()
         if not decode and not self._extend_kernel:
             super().init_forward_metadata(forward_batch)
@@ -69,6 +70,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if self._req_idx is None or self._seq_lens is None:
             raise RuntimeError("decode_metadata before init_forward_metadata")
         return self._req_idx, self._seq_lens
+
+    def swa_metadata(self) -> SwaIndices | None:
+        """This step's window-layer indices where the pool keeps window KV in its own slot space, else None."""
+        return self._swa
 
     def extend_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """This extend step's (req_pool_indices, q_start, prefix_lens, extend_lens), int64, as

@@ -52,7 +52,8 @@ class QWeight(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", _P), ("ln2", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", QWeight), ("o", QWeight),
-                ("gate_up", QWeight), ("down", QWeight), ("k_buf", _P), ("v_buf", _P), ("window", _I64)]
+                ("gate_up", QWeight), ("down", QWeight), ("k_buf", _P), ("v_buf", _P), ("window", _I64),
+                ("swa", _I64)]
 
 
 class Step(ctypes.Structure):
@@ -61,7 +62,8 @@ class Step(ctypes.Structure):
                [("eps", _D), ("qk_eps", _D), ("scale", _D)] + \
                [(name, _P) for name in ("pos", "loc", "req_idx", "seq_lens", "q_start", "prefix_lens",
                                         "extend_lens", "req_to_token", "cos", "ssin", "x", "residual", "qkv",
-                                        "attn", "h", "gu", "act")]
+                                        "attn", "h", "gu", "act")] + \
+               [("swa_r2t_stride", _I64), ("swa_loc", _P), ("swa_req_idx", _P), ("swa_req_to_token", _P)]
 
 
 @functools.cache

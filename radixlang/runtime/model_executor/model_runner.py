@@ -108,10 +108,6 @@ class ModelRunner:
                 [self.max_total_tokens, self.max_running, self.context_len])
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
         self.kv_pool = self._make_kv_pool(self.max_total_tokens)
-        if isinstance(self.kv_pool, SWATokenToKVPool) and getattr(self.model, "decode_stack", None) is not None:
-            # the fused step reads every layer's KV by token slot; window layers here need the swa slots
-            logger.info("sliding-window KV in its own slot space: decode runs layer by layer (no fused step)")
-            self.model.decode_stack = None
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
                                                  head_dim=self.model.head_dim, device=self.device, dtype=self.dtype,

@@ -147,7 +147,7 @@ class DecodeStack:
                               *(ds.QWeight.of_float(lin.plain, lin.bias) if self.float32 else
                                 ds.QWeight.of(lin.weight_q, lin.bias)
                                 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                              k.data_ptr(), v.data_ptr(), attn.sliding_window or 0)
+                              k.data_ptr(), v.data_ptr(), attn.sliding_window or 0, int(pool.is_swa_layer(i)))
         self._pool, self._layers = pool, arr
         return arr
 
@@ -189,6 +189,8 @@ class DecodeStack:
             raise ValueError("decode metadata: positions, out_cache_loc, req_pool_indices and seq_lens must be "
                              "int64 [batch] and req_to_token int32 rows")
         positions, loc = positions.contiguous(), loc.contiguous()
+        # window layers in their own slot space read translated rows (the backend checked and built them)
+        swa = backend.swa_metadata() or (r2t, req_idx, loc)
         x = model.embed_tokens(input_ids)
         if model.embed_scale is not None:
             x = x * model.embed_scale
@@ -201,6 +203,7 @@ class DecodeStack:
                        positions.data_ptr(), loc.data_ptr(), req_idx.data_ptr(), seq_lens.data_ptr(),
                        *((None,) * 3 if extend is None else (t.data_ptr() for t in extend[1:])), r2t.data_ptr(),
                        rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), x.data_ptr(), residual.data_ptr(),
-                       qkv.data_ptr(), attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr())
+                       qkv.data_ptr(), attn.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr(),
+                       swa[0].stride(0), swa[2].data_ptr(), swa[1].data_ptr(), swa[0].data_ptr())
         ds.run(layers, step)
         return model.norm.add_norm(x, residual)[0]

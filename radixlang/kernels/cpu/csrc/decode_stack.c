@@ -72,6 +72,7 @@ typedef struct {
     rl_qweight qkv, o, gate_up, down;
     float *k_buf, *v_buf; /* this layer's KV pool [slots, kv_heads, head_dim] */
     int64_t window;       /* sliding window (keys a query sees, itself included); 0: none */
+    int64_t swa;          /* 1: k_buf / v_buf are indexed by the step's swa_* slots (a window slot space) */
 } rl_layer;
 
 /* One step: sizes, metadata and buffers; layer 0's input x starts the residual stream. */
@@ -84,6 +85,11 @@ typedef struct {
     const float *cos, *ssin;
     float *x, *residual;              /* [m, hidden], in and out */
     float *qkv, *attn, *h, *gu, *act; /* scratch: [m, q + 2 kv], [m, q], [m, hidden], [m, 2 inter], [m, inter] */
+    /* what swa layers read instead of loc, req_idx, req_to_token: the same tokens' slots in the window layers'
+     * own slot space (the batch's rows translated, request i in row i) */
+    int64_t swa_r2t_stride;
+    const int64_t *swa_loc, *swa_req_idx;
+    const int32_t *swa_req_to_token;
 } rl_step;
 
 /* Returns 0, or -1 where an interleaved weight's kernel could not run (no memory for the activations). */
@@ -131,11 +137,14 @@ int rl_decode_stack(const rl_layer *layers, int64_t n_layers, const rl_step *s) 
         for (int64_t i = 0; L->k_norm && i < m; i++)
             rl_rms_norm(s->qkv + i * W + q_size, d, L->k_norm, s->qkv + i * W + q_size, s->kv_heads, d, qk_eps, nt);
         rl_rope(s->qkv, W, m, s->heads + s->kv_heads, d, s->pos, s->cos, s->ssin, nt);
-        rl_store_kv(s->qkv + q_size, W, s->qkv + q_size + kv_size, W, L->k_buf, L->v_buf, s->loc, m, kv_size);
-        if (s->bs ? rl_extend_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
+        const int64_t *loc = L->swa ? s->swa_loc : s->loc, *req_idx = L->swa ? s->swa_req_idx : s->req_idx;
+        const int32_t *r2t = L->swa ? s->swa_req_to_token : s->req_to_token;
+        const int64_t r2t_stride = L->swa ? s->swa_r2t_stride : s->r2t_stride;
+        rl_store_kv(s->qkv + q_size, W, s->qkv + q_size + kv_size, W, L->k_buf, L->v_buf, loc, m, kv_size);
+        if (s->bs ? rl_extend_attention(s->qkv, W, L->k_buf, L->v_buf, r2t, r2t_stride, req_idx,
                                         s->q_start, s->prefix_lens, s->extend_lens, s->attn, s->bs, s->heads,
                                         s->kv_heads, d, (float)s->scale, L->window, 0.0f, NULL, nt)
-                  : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, s->req_to_token, s->r2t_stride, s->req_idx,
+                  : rl_decode_attention(s->qkv, W, L->k_buf, L->v_buf, r2t, r2t_stride, req_idx,
                                         s->seq_lens, s->attn, m, s->heads, s->kv_heads, d, (float)s->scale,
                                         L->window, 0.0f, NULL, nt))
             return -1;
