@@ -136,7 +136,13 @@ def test_more_long_requests_than_the_window_slots_hold_finish_right(family, monk
     prompts = [[(53 * i + 7 * j) % 30000 + 1000 for j in range(3 * W + 3 * i)] for i in range(6)]
     # the fewest window slots a pool gets: one prefill chunk and two windows (16 + 2 x 8)
     with _engine(folder, swa_full_tokens_ratio=0.01) as engine:
-        assert engine.get_server_info()["memory"]["swa_total_tokens"] == 16 + 2 * W
+        mem = engine.get_server_info()["memory"]
+        assert mem["swa_total_tokens"] == 16 + 2 * W
+        # both spaces reported as allocated: 3 layers x 2 kv heads x 16 dims x k, v x float32 = 256 bytes a layer
+        window_layers = {"mistral_sliding": 3, "gemma2": 2}[name]
+        swa_bytes, full_bytes = mem["swa_bytes_per_token"], mem["full_bytes_per_token"]
+        assert (swa_bytes, full_bytes) == (256 * window_layers, 256 * (3 - window_layers))
+        assert mem["kv_total_bytes"] == 1025 * full_bytes + (16 + 2 * W + 1) * swa_bytes  # dummy slots included
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [_hf_greedy(hf, p) for p in prompts], name
         # cached prompts lost their window KV to make room, and the newest request went back to the queue

@@ -48,10 +48,9 @@ class SWATreeReqCache(TreeReqCache):
     """The radix tree over an swa pool (``SWARadixCache``): tombstoned prefixes, window locks, swa eviction."""
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: SWATokenToKVPool, *, page_size: int = 1) -> None:
-        super().__init__(req_to_token_pool, kv_pool, page_size=page_size)
-        self.swa_pool = kv_pool
         self.swa_tree = SWARadixCache(kv_pool.window, page_size=page_size)
-        self.tree = self.swa_tree
+        super().__init__(req_to_token_pool, kv_pool, tree=self.swa_tree)
+        self.swa_pool = kv_pool
 
     def _insert(self, req: CachedReq, tokens: list[int], kv: torch.Tensor) -> int:
         # the request's own tokens from swa_from on keep window KV: a tombstone there takes it over

@@ -16,10 +16,12 @@ from radixlang.runtime.mem_cache.req_cache import CachedReq
 
 
 class TreeReqCache:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, *, page_size: int = 1) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, *, page_size: int = 1,
+                 tree: RadixCache | None = None) -> None:
+        """``tree``: a RadixCache subclass to keep the cache in (default a RadixCache of ``page_size``)."""
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
-        self.tree = RadixCache(page_size=page_size)
+        self.tree = tree if tree is not None else RadixCache(page_size=page_size)
 
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, TreeNode]:
         kv, node = self.tree.match_prefix(req.fill_ids[:max_len], req.cache_namespace)
