@@ -13,6 +13,7 @@ from radixlang import Engine
 from radixlang.radix_cache import SWARadixCache
 from radixlang.runtime.managers.io_struct import TokenizedGenerateReq
 from radixlang.runtime.managers.scheduler import Scheduler
+from radixlang.runtime.mem_cache.memory_pool import TokenToKVPool
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.mem_cache.swa_req_cache import SWATreeReqCache
 from radixlang.runtime.server_args import ServerArgs
@@ -91,32 +92,35 @@ def test_alone_after_a_tombstoned_prefix_and_batched_match_transformers(family, 
         assert mem["kv_free_tokens"] == mem["kv_total_tokens"] and mem["swa_free_tokens"] == mem["swa_total_tokens"]
 
 
-def _run_one(sched: Scheduler, prompt: list[int], new: int) -> list[tuple[int, int, int]]:
-    """Step the request to its end; after each step, (kv_len, its own tokens, own tokens with window KV)."""
+def _run_one(sched: Scheduler, prompt: list[int], new: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Step the request to its end: its output ids and, after each step, (kv_len, its own tokens, own
+    tokens with window KV)."""
     sched.add_request(TokenizedGenerateReq(rid="r", input_ids=prompt,
                                            sampling_params={"temperature": 0.0, "max_new_tokens": new,
                                                             "ignore_eos": True}))
     pool = sched.kv_pool
-    seen = []
+    seen, output = [], []
     while not sched.is_idle():
         sched.step()
         for req in sched.running:
             row = sched.req_to_token_pool.req_to_token[req.req_pool_idx]
             own = int(req.prefix_indices.numel())
             seen.append((req.kv_len, req.kv_len - own, int(pool.has_swa(row[own:req.kv_len]).sum())))
-    return seen
+            output = req.output_ids
+    return output, seen
 
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
 def test_window_kv_held_is_bounded_by_the_window_and_every_slot_comes_back(family, radix):
-    _, folder, _ = family
+    name, folder, hf = family
     sched = Scheduler(ServerArgs(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16,
                                  disable_radix_cache=not radix))
     pool = sched.kv_pool
     assert isinstance(pool, SWATokenToKVPool)
     full0, swa0 = pool.available_size(), pool.swa_available_size()
-    seen = _run_one(sched, PROMPT[:12], 40 * W)
-    assert len(seen) > 30 * W
+    output, seen = _run_one(sched, PROMPT[:12], 20 * W)
+    assert len(seen) > 15 * W
+    assert output == _hf_greedy(hf, PROMPT[:12], 20 * W), name
     for kv_len, own, held in seen:
         # the next query (position kv_len) sees kv_len - W + 1 .. kv_len: exactly W - 1 of the pool's tokens
         assert held == min(own, W - 1), (kv_len, own, held)
@@ -150,3 +154,14 @@ def test_more_long_requests_than_the_window_slots_hold_finish_right(family, monk
         assert engine.get_server_info()["num_retractions"] >= 1
         assert engine.flush_cache()
         engine.check_memory_leak()
+
+
+def test_models_without_a_window_shorter_than_the_context_keep_one_slot_space(tmp_path):
+    arch, overrides = FAMILIES["mistral_sliding"]
+    folder = save_tiny_hf_model(str(tmp_path / "m"), arch, **{**overrides, "sliding_window": W})
+    plain = save_tiny_hf_model(str(tmp_path / "l"), "LlamaForCausalLM")
+    for kw in ({"model_path": folder, "context_length": W}, {"model_path": folder, "disable_hybrid_swa_memory": True},
+               {"model_path": plain}):
+        pool = Scheduler(ServerArgs(max_total_tokens=64, **kw)).kv_pool
+        assert type(pool) is TokenToKVPool, kw
+    assert isinstance(Scheduler(ServerArgs(model_path=folder, max_total_tokens=64)).kv_pool, SWATokenToKVPool)
