@@ -15,9 +15,9 @@ Invariants (``check_integrity``, beyond RadixCache's):
 Who frees what, beyond RadixCache: ``insert(..., swa_from=b)`` stores the new tokens before position b as
 tombstones (the caller freed their window KV already); where incoming tokens at or after b meet a tombstone,
 ``revive_fn(incoming, cached)`` moves their window KV onto the cached slots and the node lives again (the
-caller then frees the incoming duplicates as usual). ``evict_swa`` tombstones least-recently-used nodes
-without window locks through ``free_swa_fn``; ``evict`` drops whole leaves through ``free_fn``, which frees
-both kinds of KV.
+caller then frees the incoming duplicates as usual). ``evict_swa`` frees the window KV of least-recently-used nodes
+without window locks: tombstones through ``free_swa_fn``, or whole unlocked leaves through ``free_fn``;
+``evict`` drops whole leaves through ``free_fn``. ``free_fn`` frees both kinds of KV.
 """
 from __future__ import annotations
 
@@ -159,18 +159,32 @@ class SWARadixCache(RadixCache):
         return span
 
     # ---- eviction --------------------------------------------------------------------------------
-    def evict_swa(self, num_tokens: int, free_swa_fn: Callable[[torch.Tensor], None]) -> int:
-        """Tombstone least-recently-used live nodes without window locks until num_tokens window slots are
-        freed; return the count freed. Their full KV stays cached."""
+    def evict_swa(self, num_tokens: int, free_swa_fn: Callable[[torch.Tensor], None],
+                  free_fn: Callable[[torch.Tensor], None]) -> int:
+        """Free the window KV of least-recently-used live nodes without window locks until num_tokens window
+        slots are freed; return the count freed. An inner or locked node becomes a tombstone (its full KV
+        still serves longer matches); an unlocked leaf goes whole through ``free_fn`` (as a tombstone it would
+        end every match through it too early to be used), with the tombstoned ancestors it leaves bare."""
         heap = [n for n in self._nodes() if not n.swa_tombstone and n.swa_lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)
-            free_swa_fn(node.value)
-            node.swa_tombstone = True
-            self._count_swa(node, -1)
             freed += len(node.key)
+            if node.children or node.lock_ref > 0:
+                free_swa_fn(node.value)
+                node.swa_tombstone = True
+                self._count_swa(node, -1)
+                continue
+            parent = node.parent
+            free_fn(node.value)
+            self._remove_leaf(node)
+            while (parent is not None and parent.parent is not None and parent.swa_tombstone
+                   and not parent.children and parent.lock_ref == 0):
+                up = parent.parent
+                free_fn(parent.value)
+                self._remove_leaf(parent)
+                parent = up
         return freed
 
     def _remove_leaf(self, leaf: TreeNode) -> None:

@@ -136,7 +136,7 @@ def test_more_long_requests_than_the_window_slots_hold_finish_right(family, monk
     tombstoned = []
     evict_swa = SWARadixCache.evict_swa
     monkeypatch.setattr(SWARadixCache, "evict_swa",
-                        lambda tree, n, free: tombstoned.append(evict_swa(tree, n, free)) or tombstoned[-1])
+                        lambda tree, *a: tombstoned.append(evict_swa(tree, *a)) or tombstoned[-1])
     prompts = [[(53 * i + 7 * j) % 30000 + 1000 for j in range(3 * W + 3 * i)] for i in range(6)]
     # the fewest window slots a pool gets: one prefill chunk and two windows (16 + 2 x 8)
     with _engine(folder, swa_full_tokens_ratio=0.01) as engine:
@@ -149,7 +149,7 @@ def test_more_long_requests_than_the_window_slots_hold_finish_right(family, monk
         assert mem["kv_total_bytes"] == 1025 * full_bytes + (16 + 2 * W + 1) * swa_bytes  # dummy slots included
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [_hf_greedy(hf, p) for p in prompts], name
-        # cached prompts lost their window KV to make room, and the newest request went back to the queue
+        # cached tokens lost their window KV to make room, and the newest request went back to the queue
         assert sum(tombstoned) > sum(map(len, prompts)) // 2, tombstoned
         assert engine.get_server_info()["num_retractions"] >= 1
         assert engine.flush_cache()

@@ -101,7 +101,7 @@ def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_
     tree.inc_lock_ref(node)
     tree.check_integrity()
     assert tree.protected_size() == 10 and tree.swa_protected_size() == W - 1
-    assert tree.evict_swa(100, swa.free_swa) == 10 - (W - 1)
+    assert tree.evict_swa(100, swa.free_swa, swa.free) == 10 - (W - 1)
     tree.check_integrity()
     assert swa.live == {18, 19}
     assert tree.match_prefix(list(range(10))).kv_indices.numel() == 10  # the lock kept the last window
@@ -111,6 +111,25 @@ def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_
     tree.dec_lock_ref(node)
     tree.check_integrity()
     assert tree.swa_protected_size() == 0 and tree.protected_size() == 0
+
+
+def test_evict_swa_drops_an_unlocked_leaf_whole_with_the_bare_tombstones_above_it():
+    tree, swa = SWARadixCache(W), SwaSlots()
+    freed_full: list[int] = []
+
+    def free(slots: torch.Tensor) -> None:
+        freed_full.extend(slots.tolist())
+        swa.free(slots)
+    swa.live.update(range(14, 18))
+    tree.insert(list(range(8)), _t(list(range(10, 18))), swa_from=4)  # [0, 4) tombstone, [4, 8) live leaf
+    tree.insert(list(range(4)) + [9, 9], _t([10, 11, 12, 13, 20, 21]), swa_from=6)  # a tombstoned branch
+    tree.check_integrity()
+    assert tree.evict_swa(1, swa.free_swa, free) == 4
+    tree.check_integrity()
+    # the live leaf went whole; the shared tombstone above it still has a child, so it stays
+    assert sorted(freed_full) == [14, 15, 16, 17] and tree.total_size() == 6 and not swa.live
+    tree.inc_lock_ref(tree.match_through_tombstones(list(range(4)) + [9, 9]).last_node)
+    assert tree.evict(10, free) == 0  # locked: nothing goes
 
 
 def test_evict_frees_leaves_whole_tombstoned_or_not():
@@ -147,7 +166,7 @@ def test_against_oracle(ops):
             tree.inc_lock_ref(node)
             locked.append(node)
         elif op == "evict_swa":
-            tree.evict_swa(arg, swa.free_swa)
+            tree.evict_swa(arg, swa.free_swa, swa.free)
         else:
             if locked and arg % 2:
                 tree.dec_lock_ref(locked.pop(arg % len(locked)))

@@ -75,7 +75,7 @@ class SWATreeReqCache(TreeReqCache):
         super().make_room(num_tokens)  # evicted leaves free their window KV too
         short = num_tokens - self.swa_pool.swa_available_size()
         if short > 0:
-            self.swa_tree.evict_swa(short, self.swa_pool.free_swa)
+            self.swa_tree.evict_swa(short, self.swa_pool.free_swa, self.swa_pool.free)
 
     def swa_cached_size(self) -> int:
         return self.swa_tree.swa_evictable_size() + self.swa_tree.swa_protected_size()
