@@ -16,7 +16,7 @@ from radixlang.runtime.models.gguf_weights import hf_tensor_name
 from radixlang.runtime.models.loader import default_model_path, load_model
 from test_model_families import PROMPTS, _hf_logprobs
 from test_models import _run_ours
-from tiny_model import private_cache, save_tiny_hf_model
+from tiny_model import FAMILIES, private_cache, save_tiny_hf_model
 
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -37,10 +37,44 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # what llama.cpp's conv
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_GPT_OSS_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+                  "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                  "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+                  "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+                  **{f"self_attn.{p}_proj.{leaf}": f"attn_{g}.{leaf}" for p, g in
+                     (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")) for leaf in ("weight", "bias")}}
+
+
+def _gpt_oss_tensors(checkpoint: dict[str, torch.Tensor]):
+    """As llama.cpp's converter writes GPT-OSS: the interleaved gate/up columns (and bias) split into
+    ffn_gate_exps / ffn_up_exps [experts, inter, hidden], down_proj transposed to [experts, hidden, inter]."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, t in checkpoint.items():
+        arr = t.numpy().astype(np.float32)
+        if name in top:
+            yield top[name], arr
+            continue
+        _, _, layer, *rest = name.split(".")
+        local = ".".join(rest)
+        if local == "mlp.experts.gate_up_proj":
+            yield f"blk.{layer}.ffn_gate_exps.weight", arr[:, :, 0::2].transpose(0, 2, 1)
+            yield f"blk.{layer}.ffn_up_exps.weight", arr[:, :, 1::2].transpose(0, 2, 1)
+        elif local == "mlp.experts.gate_up_proj_bias":
+            yield f"blk.{layer}.ffn_gate_exps.bias", arr[:, 0::2]
+            yield f"blk.{layer}.ffn_up_exps.bias", arr[:, 1::2]
+        elif local == "mlp.experts.down_proj":
+            yield f"blk.{layer}.ffn_down_exps.weight", arr.transpose(0, 2, 1)
+        else:
+            yield f"blk.{layer}.{_GPT_OSS_NAMES[local]}", arr
+
+
 def _gguf_tensors(checkpoint: dict[str, torch.Tensor], cfg, arch: str, f16: bool):
     """(llama.cpp name, array) pairs as its converter writes them from a checkpoint's tensors: llama's
     Q/K permuted, Gemma's norms as 1 + w, experts stacked; with ``f16`` the matrices in float16 (norms
     and biases stay float32)."""
+    if arch == "gpt-oss":
+        return [(n, a.astype(np.float16) if f16 and a.ndim >= 2 else a) for n, a in _gpt_oss_tensors(checkpoint)]
     names = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES}.get(arch, _GGUF_NAMES)
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     out = []
@@ -131,6 +165,11 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "moe_intermediate_size", None):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "gpt-oss":  # its experts' size; yarn as llama.cpp's converter writes it
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     add_smollm_tokenizer(w)
@@ -192,6 +231,7 @@ MORE_FAMILIES = {
                                    "short_factor": [1.0 + 0.3 * i for i in range(6)],
                                    "long_factor": [2.0 + i for i in range(6)]})),
     "mixtral": ("llama", "MixtralForCausalLM", True, dict(num_local_experts=5, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt-oss", "GptOssForCausalLM", True, FAMILIES["gpt_oss"][1]),
     "qwen2_moe": ("qwen2moe", "Qwen2MoeForCausalLM", False,
                   dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],

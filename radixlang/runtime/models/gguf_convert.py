@@ -117,8 +117,13 @@ def _rope(m: _Meta) -> dict[str, Any]:
         return {"rope_type": "linear", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor"))}
     if scaling == "yarn" and m.arch == "deepseek2":
         return _deepseek_yarn(m, theta)
+    if scaling == "yarn" and m.arch == "gpt-oss":  # the file keeps no truncate flag: GPT-OSS's is off
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor")),
+                "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+                "beta_fast": float(m.key("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(m.key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
     raise ValueError(f"GGUF rope scaling {scaling!r} ({m.arch}) is not supported (supported: linear; "
-                     f"yarn on deepseek2)")
+                     f"yarn on deepseek2 and gpt-oss)")
 
 
 def _config_kwargs(m: _Meta) -> dict[str, Any]:
@@ -136,9 +141,20 @@ def _config_kwargs(m: _Meta) -> dict[str, Any]:
     if m.arch == "phi3":
         extra.update(_phi3_rope(m, rope, head_dim))
     extra["rope_parameters"] = rope
-    if m.n_experts:
+    if m.arch == "gpt-oss":
+        extra.update(_gpt_oss_config(m))
+    elif m.n_experts:
         extra.update(_moe_config(m))
     return extra
+
+
+def _gpt_oss_config(m: _Meta) -> dict[str, Any]:
+    """GPT-OSS: windows on even layers and the SwiGLU clamp at 7, as llama.cpp fixes them (the file keeps
+    neither); every layer is MoE, its experts' size in expert_feed_forward_length."""
+    return dict(num_local_experts=m.n_experts, num_experts_per_tok=int(m.key("expert_used_count")),
+                intermediate_size=int(m.key("expert_feed_forward_length") or m.key("feed_forward_length")),
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(m.layers)],
+                attention_bias=True, swiglu_limit=7.0)
 
 
 def _gemma_config(m: _Meta, head_dim: int) -> dict[str, Any]:
@@ -247,13 +263,13 @@ def _deepseek_yarn(m: _Meta, theta: float) -> dict[str, Any]:
 
 def _tokenizer(src: Path) -> Any:
     """The tokenizer and chat template of the GGUF's metadata. AutoTokenizer reads the file's config too,
-    and refuses architectures transformers cannot load from a GGUF (deepseek2): the tokenizer alone
-    comes from ``tokenizer.ggml.model`` then."""
+    and refuses architectures transformers cannot load from a GGUF (deepseek2 with a ValueError, gpt-oss
+    with a TypeError reading its metadata): the tokenizer alone comes from ``tokenizer.ggml.model`` then."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         return AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         logger.info("GGUF %s: tokenizer read without transformers' config (%s)", src.name, e)
         return PreTrainedTokenizerFast.from_pretrained(str(src.parent), gguf_file=src.name)
 

@@ -2,7 +2,7 @@
 time, one tensor at a time, for ``load_weights`` (no converted copy of the weights is ever written).
 
 Architectures (``general.architecture``): llama (Llama, Mistral, SmolLM; Mixtral when it has experts),
-qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (text), phi3, deepseek2 (DeepSeek-V2 / V3). Per tensor:
+qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (text), phi3, deepseek2 (DeepSeek-V2 / V3), gpt-oss. Per tensor:
 ``hf_tensor_name`` (llama.cpp's name -> the HF checkpoint name, per architecture), ``dequantize_tensor``
 (the `gguf` package, to float32 whatever the stored type; ``load_weights`` copies it into a parameter of
 the model's dtype), ``restore_layout`` (llama.cpp's permuted Q/K rows on llama back to rotate_half's).
@@ -12,8 +12,11 @@ time, as one HF tensor each; DeepSeek's ``attn_k_b`` [heads, rank, nope] and ``a
 [heads, v, rank] (newer llama.cpp files split ``kv_b_proj`` so) are joined back into ``kv_b_proj``.
 llama.cpp keeps DeepSeek's interleaved rope rows as the HF checkpoint has them (ggml's "normal" rope
 turns adjacent pairs), so MLA de-interleaves them at load as for a HF folder (layers/mla.py). Phi-3's
-longrope factor tensors belong to the config (gguf_convert.py), not to the weights. The file's header
-is read by gguf_file.py.
+longrope factor tensors belong to the config (gguf_convert.py), not to the weights. GPT-OSS keeps its
+experts stacked as its checkpoint does: llama.cpp's ``ffn_gate_exps`` and ``ffn_up_exps`` (and their biases)
+are interleaved back into ``gate_up_proj`` [experts, hidden, 2 * inter] (gate columns even, up odd), and
+``ffn_down_exps`` [experts, hidden, inter] is transposed back into ``down_proj`` [experts, inter, hidden].
+The file's header is read by gguf_file.py.
 """
 from __future__ import annotations
 
@@ -59,6 +62,15 @@ _DEEPSEEK_MAP = {
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+# GPT-OSS: biased q/k/v/o and router, a sink logit per head, stacked experts with biases (joined and
+# transposed back: _gpt_oss_piece); llama.cpp's post_attention_norm is the norm before the MoE
+_GPT_OSS_MAP = {
+    **_LAYER_MAP, "post_attention_norm": "post_attention_layernorm", "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router", "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_up_exps.weight": "mlp.experts.gate_up_proj", "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
+    "ffn_up_exps.bias": "mlp.experts.gate_up_proj_bias", "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope factors
 
@@ -81,6 +93,7 @@ GGUF_ARCHS = {
     "gemma3": GGUFArch("gemma3_text", "Gemma3ForCausalLM", _GEMMA_MAP, norm_offset=1.0),
     "phi3": GGUFArch("phi3", "Phi3ForCausalLM", _PHI3_MAP),
     "deepseek2": GGUFArch("deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK_MAP),
+    "gpt-oss": GGUFArch("gpt_oss", "GptOssForCausalLM", _GPT_OSS_MAP),
 }
 MIXTRAL = GGUFArch("mixtral", "MixtralForCausalLM", _MIXTRAL_MAP)  # llama with experts
 DEEPSEEK_V3 = GGUFArch("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_MAP)  # deepseek2, sigmoid routing
@@ -225,6 +238,33 @@ def _kv_b_piece(k_b: Any, v_b: Any, name: str) -> _Piece:
     return _Piece(name, (heads * (nope + v), rank), load)
 
 
+def _gpt_oss_piece(t: Any, name: str, by_name: dict[str, Any]) -> _Piece | None:
+    """GPT-OSS's stacked expert tensors in its checkpoint's layout: gate_up_proj(_bias) from llama.cpp's
+    gate and up halves (None for the up half: it comes with the gate's piece), down_proj transposed."""
+    layer, kind, leaf = t.name.split(".")[1], t.name.split(".")[2], t.name.split(".")[-1]
+    if kind == "ffn_up_exps":
+        return None
+    if kind == "ffn_down_exps":
+        e, hidden, inter = hf_shape(t)
+        return _Piece(name, (e, inter, hidden),
+                      lambda: np.ascontiguousarray(dequantize_tensor(t).reshape(e, hidden, inter).transpose(0, 2, 1)))
+    up = by_name.get(f"blk.{layer}.ffn_up_exps.{leaf}")
+    if up is None:
+        raise ValueError(f"GGUF tensor {t.name} has no blk.{layer}.ffn_up_exps.{leaf} beside it")
+    shape = hf_shape(t)  # weight [experts, inter, hidden]; bias [experts, inter]
+
+    def load() -> np.ndarray:
+        gate, ups = (dequantize_tensor(x).reshape(shape) for x in (t, up))
+        if leaf == "weight":  # [experts, hidden, 2 * inter]: gate columns even, up odd
+            gate, ups = gate.transpose(0, 2, 1), ups.transpose(0, 2, 1)
+        out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), np.float32)
+        out[..., 0::2], out[..., 1::2] = gate, ups
+        return out
+
+    joined = (shape[0], shape[2], 2 * shape[1]) if leaf == "weight" else (shape[0], 2 * shape[1])
+    return _Piece(name, joined, load)
+
+
 def _pieces(gguf_file: GGUFFile) -> list[_Piece]:
     lay = _layout(gguf_file.fields)
     by_name = {t.name: t for t in gguf_file.tensors}
@@ -234,7 +274,12 @@ def _pieces(gguf_file: GGUFFile) -> list[_Piece]:
             continue
         name = hf_tensor_name(t.name, lay.arch, lay.n_experts)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if kind in ("attn_k_b", "attn_v_b"):
+        if lay.arch == "gpt-oss" and (kind in ("ffn_gate_exps", "ffn_up_exps") or
+                                      t.name.endswith("ffn_down_exps.weight")):
+            piece = _gpt_oss_piece(t, name, by_name)
+            if piece is not None:
+                pieces.append(piece)
+        elif kind in ("attn_k_b", "attn_v_b"):
             layer = t.name.split(".")[1]
             if kind == "attn_k_b" and f"blk.{layer}.attn_kv_b.weight" not in by_name:
                 pieces.append(_kv_b_piece(t, _pair(by_name, layer), name))
