@@ -179,7 +179,8 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
         want = hf_tensor_name(gname, arch, n_experts or 0)
         assert want.format(e=0) in checkpoint, (gname, want)
         key = gname.split(".")[2] if gname.startswith("blk.") else gname.split(".")[0]
-        qtype = (quant or {}).get(key) if arr.ndim in (2, 3) else None  # 3-D: stacked experts
+        # matrices only (3-D: stacked experts); GPT-OSS's 2-D expert biases stay float, as llama.cpp keeps them
+        qtype = (quant or {}).get(key) if arr.ndim in (2, 3) and gname.endswith(".weight") else None
         if qtype is None:
             w.add_tensor(gname, np.ascontiguousarray(arr))
         else:
@@ -430,3 +431,37 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
     b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
     assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3
     assert tokens == want_tokens
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers_on_the_rounded_weights(tmp_path, monkeypatch):
+    """GPT-OSS GGUFs ship their experts as MXFP4 (32 4-bit values and a shared power-of-two scale a block):
+    read dequantized, they give transformers' logprobs and tokens on the weights the blocks hold."""
+    import gguf
+    from test_model_families import NEW_TOKENS, _hf_greedy
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    arch, hf_arch, _, overrides = MORE_FAMILIES["gpt_oss"]
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
+    private_cache(tmp_path / "cache", monkeypatch)
+    path = str(tmp_path / "mxfp4.gguf")
+    _write_gguf(folder, path, arch, quant={"ffn_gate_exps": mxfp4, "ffn_up_exps": mxfp4, "ffn_down_exps": mxfp4})
+
+    def rounded(a: np.ndarray) -> np.ndarray:  # [experts, out, in] through the file's blocks
+        return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(a), mxfp4), mxfp4)
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            ex = layer.mlp.experts
+            gate_up = ex.gate_up_proj.detach().numpy().copy()  # [experts, hidden, 2 * inter]
+            for half in (0, 1):
+                gate_up[:, :, half::2] = rounded(gate_up[:, :, half::2].transpose(0, 2, 1)).transpose(0, 2, 1)
+            ex.gate_up_proj.copy_(torch.from_numpy(gate_up))
+            down = rounded(ex.down_proj.detach().numpy().transpose(0, 2, 1)).transpose(0, 2, 1)
+            assert not np.allclose(down, ex.down_proj.detach().numpy(), atol=1e-3)  # the blocks round
+            ex.down_proj.copy_(torch.from_numpy(np.ascontiguousarray(down)))
+    model = load_model(path).model
+    for ids in PROMPTS[:2]:
+        logits = _run_ours(model, ids)
+        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4
+    assert _greedy(model, PROMPTS[0], NEW_TOKENS) == _hf_greedy(hf, PROMPTS[0])
