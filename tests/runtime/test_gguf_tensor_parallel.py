@@ -151,29 +151,34 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
 
 @pytest.mark.e2e
 def test_tp2_matches_tp1_on_quantized_gguf_experts(tmp_path, monkeypatch):
-    """A Qwen3-MoE file's stacked experts (Q4_0 gate/up, Q8_0 down) split over two ranks: each keeps every
-    expert over its 32 of the 64 intermediate features (gate and up rows, down's input groups), served from
-    the blocks; same tokens and logprobs within 1e-4 as one rank, the cached prefix reused alike."""
+    """A Qwen2-MoE file's stacked experts (Q4_0 gate/up, Q8_0 down) and shared expert (Q4_1 / Q8_0) split over
+    two ranks: each keeps every expert over its 32 of the 64 intermediate features (gate and up rows, down's
+    input groups), served from the blocks, and the layer sums the experts' and the shared expert's terms in
+    one all-reduce; same tokens and logprobs within 1e-4 as one rank, the cached prefix reused alike."""
     from radixlang import Engine
     from radixlang.runtime.models.gguf_experts import QuantExperts
     from test_gguf_families import _write_gguf
     from tiny_model import private_cache, save_tiny_hf_model
 
-    folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen3MoeForCausalLM", seed=5, num_experts=6,
-                                num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                                decoder_sparse_step=1)
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2MoeForCausalLM", seed=5, num_experts=6,
+                                num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                norm_topk_prob=False, decoder_sparse_step=1)
     private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "tiny-moe.gguf")
-    _write_gguf(folder, path, "qwen3moe", quant={"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_0,
-                                                 "ffn_down_exps": T.Q8_0})
+    _write_gguf(folder, path, "qwen2moe", quant={"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_0,
+                                                 "ffn_down_exps": T.Q8_0, "ffn_gate_shexp": T.Q4_1,
+                                                 "ffn_up_shexp": T.Q4_1, "ffn_down_shexp": T.Q8_0})
     kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
         assert isinstance(single.scheduler.runner.model.layers[0].mlp.experts, QuantExperts)
         want = run_shared_prefix(single)
     with Engine(**kw, tp_size=2) as engine:
-        experts = engine.scheduler.runner.model.layers[0].mlp.experts
+        mlp = engine.scheduler.runner.model.layers[0].mlp
+        experts = mlp.experts
         assert isinstance(experts, QuantExperts) and experts.inter == 32 and experts.tp is not None
         assert experts.w13[0].out_features == 64 and experts.w2[0].in_features == 32
+        from radixlang.runtime.models.gguf_quant import RowParallelQuantLinear
+        assert isinstance(mlp.shared_expert.down_proj, RowParallelQuantLinear)
         got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

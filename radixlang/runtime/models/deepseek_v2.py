@@ -63,6 +63,7 @@ class DeepseekMoE(nn.Module):
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
         self.shared_experts = (MLP(config, tp, intermediate_size=config.moe_intermediate_size * shared)
                                if shared else None)
+        self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,12 +73,13 @@ class DeepseekMoE(nn.Module):
                                      topk_group=c.topk_group, scale=float(c.routed_scaling_factor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> [n, hidden]."""
+        """x [n, hidden] -> [n, hidden]. Under tensor parallelism the routed and shared experts' terms are
+        summed in one all-reduce."""
         weights, ids = self.route(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.shared_experts is None:
+            return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids, reduce=False) + self.shared_experts.partial_sum(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

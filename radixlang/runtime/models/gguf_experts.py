@@ -51,10 +51,12 @@ class QuantExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {self.hidden} -> {self.inter}, {self.source_type}"
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden]; weights, ids [n, k] -> [n, hidden] in x's dtype (summed over the tp ranks)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
+                reduce: bool = True) -> torch.Tensor:
+        """x [n, hidden]; weights, ids [n, k] -> [n, hidden] in x's dtype (summed over the tp ranks;
+        ``reduce=False``: this rank's term, the caller sums)."""
         out = dispatch(x.float(), weights, ids, self.num_experts, self._expert).to(x.dtype)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         h = _linear(xs, self.w13[e])  # [count, 2 * inter]

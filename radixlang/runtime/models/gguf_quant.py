@@ -417,6 +417,11 @@ class RowParallelQuantLinear(QuantLinear):
         y = self.tp.all_reduce(super().forward(x))
         return y if self.sum_bias is None else y + self.sum_bias.to(y.dtype)
 
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of ``forward`` (the bias in rank 0's): the caller all-reduces."""
+        y = super().forward(x)
+        return y if self.sum_bias is None or self.tp.rank != 0 else y + self.sum_bias.to(y.dtype)
+
 
 class VocabParallelQuantHead(nn.Module):
     """The quantized logits projection split by vocabulary rows (like parallel.ParallelLMHead): each rank

@@ -123,13 +123,20 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self._fused(x)
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self._hidden(x))
 
-    def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False))
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output, not yet summed over the tensor-parallel ranks (a MoE layer sums
+        it with its experts' in one all-reduce); without tensor parallelism, the output."""
+        down = self.down_proj
+        return down.partial_sum(self._hidden(x)) if hasattr(down, "partial_sum") else down(self._hidden(x))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, [n, inter]: the compiled kernel's SiLU when fused."""
+        if self.fused:
+            return cpu_ops.silu_mul(self.gate_up_proj(x).contiguous(), check=False)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.act(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -112,6 +112,11 @@ class RowParallelLinear(nn.Linear):
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of ``forward`` (the bias in rank 0's): the caller all-reduces."""
+        y = F.linear(x, self.weight)
+        return y if self.bias is None or self.tp.rank != 0 else y + self.bias
+
 
 class VocabParallelEmbedding(nn.Embedding):
     """Each rank holds rows [rank * per, (rank + 1) * per) of the padded vocabulary."""

@@ -109,15 +109,16 @@ class Experts(nn.Module):
         self.act, self.act_is_silu = act, act_is_silu
         self.fused = False  # the compiled CPU kernels: the whole layer for few tokens, else silu(gate) * up
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
+                reduce: bool = True) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]
-        (summed over the tensor-parallel ranks)."""
+        (summed over the tensor-parallel ranks; ``reduce=False``: this rank's term, the caller sums)."""
         if self.fused and ids.numel() <= FUSED_MAX_ROWS_PER_EXPERT * self.num_experts:
             out = cpu_ops.moe_experts(x.contiguous(), weights.float().contiguous(), ids.contiguous(), self.w13,
                                       self.w2, check=False)
         else:
             out = dispatch(x, weights, ids, self.num_experts, self._expert)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         h = F.linear(xs, self.w13[e])  # [count, 2 * inter]
@@ -169,15 +170,18 @@ class SparseMoE(nn.Module):
         self.experts = Experts(num_experts, hidden, inter, act, act_is_silu=act_is_silu, tp=tp)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
+        self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> [n, hidden]."""
+        """x [n, hidden] -> [n, hidden]. Under tensor parallelism the experts' and the shared expert's
+        terms (its per-token gate scales each rank's term alike) are summed in one all-reduce."""
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, renormalize=self.renormalize)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids, reduce=False)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sum(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def expert_param_name(name: str) -> str | None:
