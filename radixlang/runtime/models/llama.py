@@ -123,6 +123,10 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused(x) if self.fused else self.down_proj(self._hidden(x))
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The compiled-kernel MLP (the sliced path of a long prefill calls it once a slice)."""
         return self.down_proj(self._hidden(x))
 
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
