@@ -50,6 +50,24 @@ def test_moe_experts_match_token_by_token(n, k, experts, hidden, inter, skew):
     assert (out.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("hidden,inter", [(64, 48), (40, 36)])  # (40, 36): tails past the last 16 floats
+def test_moe_experts_every_row_block(hidden, inter):
+    """Experts of 1 to 13 rows (the 4-weight-row passes of 1-4 rows, the 2-weight-row passes of 5-12, a split
+    13), 25 (9 + 9 + 7) and 133 rows (eleven blocks of 12 and a last one of 1), one choice per token."""
+    counts = [*range(1, 14), 25, 133]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1).contiguous()  # experts' rows interleaved
+    n, experts = ids.shape[0], len(counts)
+    x = torch.randn(n, hidden, generator=g)
+    weights = torch.rand(n, 1, generator=g) + 0.5
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    out = cpu.moe_experts(x, weights, ids, w13, w2)
+    ref = _reference(x, weights, ids, w13, w2)
+    assert (out.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+
+
 def test_moe_experts_do_not_depend_on_the_other_tokens():
     """A token's output is the same alone and in a batch (each row's sums run in the same order)."""
     x, weights, ids, w13, w2 = _case(24, 4, 16, 64, 48, seed=3)
