@@ -27,8 +27,8 @@
  * over the weight rows: each 16-float chunk of them is loaded once and multiplied into every x row (nw * nr
  * accumulators of the 32 vector registers, summed by one or two transposing trees). The rows pf_step floats
  * past the weight rows (the caller's next ones) are prefetched into L2 as these stream by, one cache line
- * per 16 floats: into L1 they evicted the x rows (up to 12 x 3.5 KB of its 32 KB), and the kernel ran 1.5x
- * slower. Every sum takes the same order of additions whatever nw and nr are, so a token's result does not
+ * per 16 floats: prefetched into L1, which holds the x rows (up to 12 x 3.5 KB of its 32 KB), the kernel
+ * ran ~1.4x slower. Every sum takes the same order of additions whatever nw and nr are, so a token's result does not
  * depend on the other tokens of its expert. */
 static inline __attribute__((always_inline)) void dots(const float *const *wr, int64_t pf_step,
                                                        const float *const *xr, int64_t k, const int nw,
