@@ -114,7 +114,17 @@ class RadixCache:
 
     def insert(self, key: list[int], kv_indices: torch.Tensor, namespace: Hashable | None = None) -> int:
         """Insert key -> kv_indices; return how many leading tokens were already cached (caller frees those)."""
-        assert len(key) == int(kv_indices.numel()), "one KV slot per token"
+        return self._insert_walk(key, kv_indices, namespace, self._add_leaf, None)
+
+    def _insert_walk(self, key: list[int], kv_indices: torch.Tensor, namespace: Hashable | None,
+                     add_leaf: Callable[[TreeNode, list[int], torch.Tensor, int, int], None],
+                     visit: Callable[[TreeNode, torch.Tensor, int], TreeNode] | None) -> int:
+        """The walk of an insert: down the cached prefix of key (split where it ends inside a node), then
+        ``add_leaf(parent, the rest of key, its slots, tokens matched before it, now)``. ``visit(node, the
+        incoming slots of its tokens, tokens matched before it)`` sees each cached node on the way and
+        returns the node the walk goes on from (a subclass's hook: SWARadixCache revives tombstones)."""
+        if len(key) != int(kv_indices.numel()):
+            raise ValueError(f"one KV slot per token: {len(key)} tokens, {int(kv_indices.numel())} slots")
         usable = len(key) - len(key) % self.page_size
         key, kv_indices = key[:usable], kv_indices[:usable].to(torch.int64)
         node = self._root_for(namespace)
@@ -123,19 +133,24 @@ class RadixCache:
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
-                new = TreeNode(parent=node)
-                new.key, new.value, new.last_access = list(key), kv_indices[matched:].clone(), now
-                node.children[self._child_key(key)] = new
-                self._evictable += len(key)
+                add_leaf(node, key, kv_indices[matched:], matched, now)
                 return matched
             n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if visit is not None:
+                child = visit(child, kv_indices[matched:matched + n], matched)
             matched += n
             node = child
             key = key[n:]
         return matched
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], kv: torch.Tensor, matched: int, now: int) -> None:
+        new = TreeNode(parent=parent)
+        new.key, new.value, new.last_access = list(key), kv.clone(), now
+        parent.children[self._child_key(key)] = new
+        self._evictable += len(key)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after n tokens; return the new upper node (which keeps child's lock count)."""

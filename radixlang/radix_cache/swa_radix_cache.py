@@ -71,28 +71,16 @@ class SWARadixCache(RadixCache):
         ``swa_from``: kv_indices[swa_from:] hold window KV and are the caller's own, those before do not (or
         are the tree's). New tokens before it are stored as tombstones; tombstoned tokens at or after it take
         the incoming window KV through ``revive_fn(incoming slots, cached slots)``."""
-        if len(key) != int(kv_indices.numel()):
-            raise ValueError(f"one KV slot per token: {len(key)} tokens, {int(kv_indices.numel())} slots")
-        usable = len(key) - len(key) % self.page_size
-        key, kv_indices = key[:usable], kv_indices[:usable].to(torch.int64)
-        node = self._root_for(namespace)
-        now = self._tick()
-        matched = 0
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                self._add_leaves(node, key, kv_indices[matched:], swa_from - matched, now)
-                return matched
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            if child.swa_tombstone and matched + n > swa_from and revive_fn is not None:
-                child = self._revive(child, kv_indices[matched:matched + n], swa_from - matched, revive_fn)
-            matched += n
-            node = child
-            key = key[n:]
-        return matched
+
+        def add(parent: TreeNode, rest: list[int], kv: torch.Tensor, matched: int, now: int) -> None:
+            self._add_leaves(parent, rest, kv, swa_from - matched, now)
+
+        def visit(node: TreeNode, incoming: torch.Tensor, matched: int) -> TreeNode:
+            if node.swa_tombstone and matched + len(node.key) > swa_from and revive_fn is not None:
+                return self._revive(node, incoming, swa_from - matched, revive_fn)
+            return node
+
+        return self._insert_walk(key, kv_indices, namespace, add, visit)
 
     def _add_leaves(self, parent: TreeNode, key: list[int], kv: torch.Tensor, dead: int, now: int) -> None:
         """New nodes under parent: the first ``dead`` tokens as a tombstone, the rest live."""
