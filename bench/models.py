@@ -7,7 +7,9 @@ widths: hidden 896, 14 heads over 2 kv heads, MLP 4864; ``--quick``: 4 layers in
 prefill tokens/s on a 512-token prompt and batch-1 greedy decode tokens/s; for the MoE families also
 decode at batch 32 (32 equal-length prompts: transformers runs them as one padded-free batch). The
 radixlang side is the Engine with its defaults (packed linears, CPU kernels); transformers runs in a
-child process (see bench/engine_throughput.py for why), with the same thread count.
+child process (see bench/engine_throughput.py for why), with the same thread count. Every timing is the
+best of ``--repeats`` runs on both sides (default 3): on a shared machine the least disturbed run is the
+measure, and one run alone swung the batch-32 ratios by 1.5x.
 """
 from __future__ import annotations
 
@@ -46,7 +48,13 @@ def _save(folder: str, arch: str, overrides: dict, layers: int) -> str:
     return save_tiny_hf_model(folder, arch, **{**SHAPE, "num_hidden_layers": layers, **overrides})
 
 
-def _hf_side(folder: str, long_prompt: list[int], prompt: list[int], batch: list[list[int]] | None, conn) -> None:
+def _best(repeats: int, fn, *args, **kwargs) -> float:
+    """The shortest of ``repeats`` timed calls, in seconds."""
+    return min(timed(fn, *args, **kwargs)[1] for _ in range(repeats))
+
+
+def _hf_side(folder: str, long_prompt: list[int], prompt: list[int], batch: list[list[int]] | None,
+             repeats: int, conn) -> None:
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -58,35 +66,33 @@ def _hf_side(folder: str, long_prompt: list[int], prompt: list[int], batch: list
 
     gen([prompt], 2)
     with torch.no_grad():
-        _, t_fill = timed(hf, torch.tensor([long_prompt]))
-    _, t = timed(gen, [prompt], NEW_TOKENS)
-    _, t_pre = timed(gen, [prompt], 1)
+        t_fill = _best(repeats, hf, torch.tensor([long_prompt]))
+    t, t_pre = _best(repeats, gen, [prompt], NEW_TOKENS), _best(repeats, gen, [prompt], 1)
     out = {"prefill": PREFILL / t_fill, "b1": (NEW_TOKENS - 1) / max(t - t_pre, 1e-9)}
     if batch is not None:
-        _, tb = timed(gen, batch, NEW_TOKENS)
-        _, tb_pre = timed(gen, batch, 1)
+        tb, tb_pre = _best(repeats, gen, batch, NEW_TOKENS), _best(repeats, gen, batch, 1)
         out["b32"] = len(batch) * (NEW_TOKENS - 1) / max(tb - tb_pre, 1e-9)
     conn.send(out)
     conn.close()
 
 
-def _ours(folder: str, long_prompt: list[int], prompt: list[int], batch: list[list[int]] | None) -> dict:
+def _ours(folder: str, long_prompt: list[int], prompt: list[int], batch: list[list[int]] | None,
+          repeats: int) -> dict:
     from radixlang import Engine
     greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     with Engine(model_path=folder, max_total_tokens=16384, num_threads=threads()) as eng:
         eng.generate(input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 2})
-        eng.flush_cache()
-        _, t_fill = timed(eng.generate, input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
-        eng.flush_cache()
-        _, t = timed(eng.generate, input_ids=prompt, sampling_params=greedy)
-        eng.flush_cache()
-        _, t_pre = timed(eng.generate, input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 1})
+
+        def run(ids, params: dict) -> float:  # an empty prefix cache each time: every prompt is computed
+            eng.flush_cache()
+            return timed(eng.generate, input_ids=ids, sampling_params=params)[1]
+
+        t_fill = _best(repeats, run, long_prompt, {"max_new_tokens": 1})
+        t, t_pre = _best(repeats, run, prompt, greedy), _best(repeats, run, prompt, {**greedy, "max_new_tokens": 1})
         out = {"prefill": PREFILL / t_fill, "b1": (NEW_TOKENS - 1) / max(t - t_pre, 1e-9)}
         if batch is not None:
-            eng.flush_cache()
-            _, tb = timed(eng.generate, input_ids=batch, sampling_params=greedy)
-            eng.flush_cache()
-            _, tb_pre = timed(eng.generate, input_ids=batch, sampling_params={**greedy, "max_new_tokens": 1})
+            tb = _best(repeats, run, batch, greedy)
+            tb_pre = _best(repeats, run, batch, {**greedy, "max_new_tokens": 1})
             out["b32"] = len(batch) * (NEW_TOKENS - 1) / max(tb - tb_pre, 1e-9)
     return out
 
@@ -95,6 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers instead of 24")
     ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--repeats", type=int, default=3, help="each timing is the best of this many runs, both sides")
     args = ap.parse_args()
     layers = 4 if args.quick else 24
     rng = random.Random(0)
@@ -109,9 +116,10 @@ def main() -> None:
         moe = "experts" in "".join(overrides) or "moe" in name
         with tempfile.TemporaryDirectory() as tmp:
             folder = _save(tmp, arch, overrides, layers)
-            ours = _ours(folder, long_prompt, prompt, batch if moe else None)
+            ours = _ours(folder, long_prompt, prompt, batch if moe else None, args.repeats)
             recv, send = ctx.Pipe(duplex=False)
-            child = ctx.Process(target=_hf_side, args=(folder, long_prompt, prompt, batch if moe else None, send))
+            child = ctx.Process(target=_hf_side, args=(folder, long_prompt, prompt, batch if moe else None,
+                                                       args.repeats, send))
             child.start()
             hf = recv.recv()
             child.join()
