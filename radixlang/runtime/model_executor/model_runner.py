@@ -21,7 +21,7 @@ from radixlang.runtime.model_executor.distributed import DistComm, init_group, r
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
-from radixlang.runtime.models.layers.attention_config import check_backend_features, layer_windows
+from radixlang.runtime.models.layers.attention_config import check_backend_features, layer_sliding_window
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
@@ -125,8 +125,8 @@ class ModelRunner:
         than the context), else None: one slot space for every layer."""
         if args.disable_hybrid_swa_memory or getattr(self.model, "mla_latent", None) is not None:
             return None
-        windows = [w if w and w < self.context_len else None
-                   for w in layer_windows(self.model, self.hf_config.num_hidden_layers)]
+        windows = [layer_sliding_window(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers)]
+        windows = [w if w and w < self.context_len else None for w in windows]
         if not any(windows):
             return None
         if self.tp is not None or args.tp_size > 1 or args.attention_backend not in ("torch", "cpu"):

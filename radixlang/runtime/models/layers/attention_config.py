@@ -33,15 +33,6 @@ def attention_features(model: nn.Module) -> frozenset[str]:
     return frozenset(found)
 
 
-def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
-    """Each layer's sliding window in tokens (None: full attention), read from its attention module."""
-    windows: list[int | None] = [None] * num_layers
-    for m in model.modules():
-        if hasattr(m, "layer_id") and hasattr(m, "scaling"):
-            windows[m.layer_id] = getattr(m, "sliding_window", None)
-    return windows
-
-
 def check_backend_features(model: nn.Module, backend: Any, backend_name: str) -> None:
     """A ValueError naming the feature and the backend when the backend cannot serve the model."""
     missing = attention_features(model) - frozenset(getattr(backend, "supported_features", ()))
