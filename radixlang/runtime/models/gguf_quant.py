@@ -179,10 +179,10 @@ def _module_path(layer: nn.Module, target: str) -> str | None:
     return ".".join(_ROOMS[target])
 
 
-def _owner(layer: nn.Module, path: str) -> tuple[nn.Module | None, str]:
-    """(the module holding the projection at ``path``, its attribute name)."""
+def _owner(root: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """(the module holding the projection at ``path`` under ``root``, its attribute name)."""
     *rooms, attr = path.split(".")
-    owner: Any = layer
+    owner: Any = root
     for room in rooms:
         owner = getattr(owner, room, None)
     return owner, attr
@@ -199,11 +199,13 @@ def _column_span(part: str, rows: int, tp: TPComm, n_kv: int) -> tuple[int, int]
 
 
 class _Swap(NamedTuple):
-    """One projection served from the file's blocks: its tensors in row order, the parts each holds, and
-    each part's rows in the full model."""
+    """One projection served from the file's blocks: its tensors in row order, the parts each holds, each
+    part's rows in the full model, and the projection's parameter name (layers.3.mlp.shared_experts.down_proj
+    .weight)."""
     tensors: list[Any]
     parts: list[tuple[str, ...]]
     part_rows: dict[str, int]  # q, k, v: heads x head_dim; gate, up: this layer's intermediate size
+    param: str
 
 
 class _Plan(NamedTuple):
@@ -291,7 +293,7 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
             kept.append(why)
             unaligned.append(why)
         else:
-            swaps[(layer_id, target)] = _Swap(got, held, rows)
+            swaps[(layer_id, target)] = _Swap(got, held, rows, f"layers.{layer_id}.{path}.weight")
     return _Plan(swaps, logits, kept, unaligned)
 
 
@@ -301,8 +303,7 @@ def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
 
     reader = read_gguf(gguf_path)
     plan = _plan(model, reader)
-    names = {f"layers.{layer_id}.{_module_path(model.layers[layer_id], target)}.weight"
-             for layer_id, target in plan.swaps}
+    names = {swap.param for swap in plan.swaps.values()}
     names |= expert_param_names(plan_experts(model, reader, align=TP_INPUT_ALIGN)[0])
     if plan.logits is not None and getattr(model, "lm_head", None) is not None:
         names.add("lm_head.weight")
@@ -344,12 +345,11 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
             raise RuntimeError(f"{name}: the model's load-time change is not a row order; it cannot keep blocks")
         return full.take_rows(index.numpy())
 
-    def rank_parts(layer_id: int, target: str, swap: _Swap) -> list[qk.QuantWeight]:
+    def rank_parts(target: str, swap: _Swap) -> list[qk.QuantWeight]:
         rows = swap.part_rows
-        name = f"layers.{layer_id}.{_module_path(model.layers[layer_id], target)}.weight"
         out = []
         for t, held in zip(swap.tensors, swap.parts):
-            full = model_rows(name, blocks(t))
+            full = model_rows(swap.param, blocks(t))
             first = 0
             for part in held:  # a fused tensor is cut into its parts first
                 piece = full.rows(first, first + rows[part])
@@ -363,11 +363,11 @@ def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]
         return out
 
     swapped: dict[str, int] = {}
-    for (layer_id, target), swap in plan.swaps.items():
-        owner, attr = _owner(model.layers[layer_id], str(_module_path(model.layers[layer_id], target)))
+    for (_, target), swap in plan.swaps.items():
+        owner, attr = _owner(model, swap.param.removesuffix(".weight"))
         old = getattr(owner, attr)
         kinds = "/".join(sorted({t.tensor_type.name for t in swap.tensors}))
-        weight = qk.QuantWeight.concat(rank_parts(layer_id, target, swap))
+        weight = qk.QuantWeight.concat(rank_parts(target, swap))
         bias = getattr(old, "bias", None)
         setattr(owner, attr, QuantLinear(weight, bias, kinds) if tp is None or target not in _ROW_PARALLEL
                 else RowParallelQuantLinear(weight, bias, kinds, tp=tp))
