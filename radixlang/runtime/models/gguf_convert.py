@@ -118,10 +118,7 @@ def _rope(m: _Meta) -> dict[str, Any]:
     if scaling == "yarn" and m.arch == "deepseek2":
         return _deepseek_yarn(m, theta)
     if scaling == "yarn" and m.arch == "gpt-oss":  # the file keeps no truncate flag: GPT-OSS's is off
-        return {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor")),
-                "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
-                "beta_fast": float(m.key("rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(m.key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+        return {**_yarn(m, theta), "truncate": False}
     raise ValueError(f"GGUF rope scaling {scaling!r} ({m.arch}) is not supported (supported: linear; "
                      f"yarn on deepseek2 and gpt-oss)")
 
@@ -247,14 +244,19 @@ def _deepseek_moe(m: _Meta) -> dict[str, Any]:
     return extra
 
 
+def _yarn(m: _Meta, theta: float) -> dict[str, Any]:
+    """The yarn fields a GGUF keeps: factor, original context, beta_fast / beta_slow."""
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+            "beta_fast": float(m.key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(m.key("rope.scaling.yarn_beta_slow", 1.0))}
+
+
 def _deepseek_yarn(m: _Meta, theta: float) -> dict[str, Any]:
     """DeepSeek's yarn. llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier and no mscale: every
     DeepSeek release has mscale == mscale_all_dim (the rotary tables then stay unscaled, the softmax
     scale takes mscale squared), so both are read back from it."""
-    rope: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.key("rope.scaling.factor")),
-                            "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
-                            "beta_fast": float(m.key("rope.scaling.yarn_beta_fast", 32.0)),
-                            "beta_slow": float(m.key("rope.scaling.yarn_beta_slow", 1.0))}
+    rope = _yarn(m, theta)
     log_mul = m.key("rope.scaling.yarn_log_multiplier")
     if log_mul:
         rope["mscale"] = rope["mscale_all_dim"] = float(log_mul) / 0.1
