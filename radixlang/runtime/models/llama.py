@@ -295,9 +295,9 @@ class LlamaForCausalLM(nn.Module):
             if prompt_len > switch:
                 pos = positions[start:start + n].cpu()
                 inside = torch.nonzero(pos < prompt_len).flatten()
-                rows = length_rows(self.config, self.rotary_dim, prompt_len, pos[inside],
-                                   self.rope_table_layer_type(table))
-                if rows is not None and inside.numel():
+                if inside.numel():
+                    rows = length_rows(self.config, self.rotary_dim, prompt_len, pos[inside],
+                                       self.rope_table_layer_type(table))
                     idx.append(inside + start)
                     cos.append(rows[0])
                     sin.append(rows[1])

@@ -174,14 +174,14 @@ def rope_length_key(config: Any, prompt_len: int) -> tuple | None:
 
 
 def length_rows(config: Any, rotary_dim: int, prompt_len: int, positions: torch.Tensor,
-                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) [len(positions), rotary_dim] float64 for prompt positions of a prompt of
-    ``prompt_len`` tokens, as transformers rotates a prompt prefilled at once; None when the layer type's
-    rule gives them the per-position rows."""
+    ``prompt_len`` tokens, past the layer type's switch point (``rope_switch_point``), as transformers
+    rotates a prompt prefilled at once."""
     params = rope_parameters(config, layer_type)
     switch = _switch_point(config, params)
     if switch is None or prompt_len <= switch:
-        return None
+        raise ValueError(f"a prompt of {prompt_len} tokens takes the per-position rows (switch point {switch})")
     _, attn_factor = rope_inv_freq(config, rotary_dim, layer_type)
     if _rope_kind(params) == "longrope":
         return _table(_long_inv_freq(params, config, rotary_dim), attn_factor, positions)
