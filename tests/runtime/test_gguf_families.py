@@ -201,10 +201,7 @@ def test_gguf_family_matches_its_checkpoint(tmp_path, monkeypatch, arch, hf_arch
     assert type(loaded.model).__name__ == hf_arch
     assert loaded.tokenizer.encode("hello world") == load_model(folder).tokenizer.encode("hello world")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for ids in PROMPTS[:2]:
-        logits = _run_ours(loaded.model, ids)
-        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4
+    _assert_prompt_logprobs(loaded.model, hf, arch)
     if arch == "qwen3":  # transformers' GGUF reader ignores qwen3.attention.key_length (assumes 128)
         return
     # transformers' own GGUF reader maps the same file to the same weights
@@ -243,6 +240,14 @@ MORE_FAMILIES = {
 }
 
 
+def _assert_prompt_logprobs(model, hf, what: str) -> None:
+    """Our model gives transformers' prompt log-probabilities within 1e-4 on the first two prompts."""
+    for ids in PROMPTS[:2]:
+        logits = _run_ours(model, ids)
+        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4, what
+
+
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     out: list[int] = []
     for _ in range(n):
@@ -266,10 +271,7 @@ def test_gguf_export_of_more_families_matches_transformers(tmp_path, monkeypatch
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     if f16:  # the reference holds the weights the file does
         hf.load_state_dict({k: v.half().float() if v.dim() >= 2 else v for k, v in hf.state_dict().items()})
-    for ids in PROMPTS[:2]:
-        logits = _run_ours(model, ids)
-        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4, family
+    _assert_prompt_logprobs(model, hf, family)
     ids = PROMPTS[0]
     assert _greedy(model, ids, NEW_TOKENS) == _hf_greedy(hf, ids), family
 
@@ -460,8 +462,5 @@ def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers_on_the_rounded_wei
             assert not np.allclose(down, ex.down_proj.detach().numpy(), atol=1e-3)  # the blocks round
             ex.down_proj.copy_(torch.from_numpy(np.ascontiguousarray(down)))
     model = load_model(path).model
-    for ids in PROMPTS[:2]:
-        logits = _run_ours(model, ids)
-        ours = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        assert (ours - _hf_logprobs(hf, ids)).abs().max().item() < 1e-4
+    _assert_prompt_logprobs(model, hf, "gpt_oss mxfp4")
     assert _greedy(model, PROMPTS[0], NEW_TOKENS) == _hf_greedy(hf, PROMPTS[0])
