@@ -42,8 +42,11 @@ def test_tp2_matches_tp1(name, tmp_path):
             attn = model.layers[0].self_attn
             assert attn.kv_b_proj.weight.shape == (3 * (16 + 24), 32) and attn.o_proj.in_features == 3 * 24
             assert attn.kv_a_proj_with_mqa.out_features == 32 + 8
-            shared = model.layers[1].mlp.shared_experts
-            assert shared.inter == 16 and model.layers[0].mlp.inter == 96  # shared expert, dense first layer
+            # the shared expert (this rank's 16 features) folded into the experts' kernel as a 7th expert;
+            # the first layer dense
+            moe = model.layers[1].mlp
+            assert moe.shared_experts is None and moe.experts.shared == 1 and moe.experts.packed.inter == 16
+            assert moe.experts.packed.num_experts == 7 and model.layers[0].mlp.inter == 96
         got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

@@ -18,6 +18,7 @@ attention backend keep their torch ops.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 
@@ -162,33 +163,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """SwiGLU experts in the panels csrc/moe.c reads (``moe_pack`` makes them): p13 [E, ip / 16, hidden, 32]
+    (16 gate then the same 16 up features per input feature, ip = inter rounded up to 16, zeros past
+    inter), p2 [E, hp / 32, inter, 32] (32 down features per input feature, hp = hidden rounded up to 32)."""
+    p13: torch.Tensor
+    p2: torch.Tensor
+    num_experts: int
+    hidden: int
+    inter: int
+
+    def nbytes(self) -> int:
+        return (self.p13.numel() + self.p2.numel()) * self.p13.element_size()
+
+
+def moe_pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
+    """w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter] (float32) -> the panels
+    ``moe_experts`` reads (a copy: the caller may drop the plain weights)."""
+    _f32("w13", w13, 3)
+    _f32("w2", w2, 3)
+    num_experts, hidden, inter = w2.shape
+    if w13.shape != (num_experts, 2 * inter, hidden):
+        raise ValueError(f"w13 {tuple(w13.shape)} does not fit w2 {tuple(w2.shape)}: want "
+                         f"[{num_experts}, {2 * inter}, {hidden}]")
+    ip, hp = -(-inter // 16) * 16, -(-hidden // 32) * 32
+
+    def features16(w: torch.Tensor) -> torch.Tensor:  # [E, inter, hidden] -> [E, ip / 16, hidden, 16]
+        w = torch.nn.functional.pad(w, (0, 0, 0, ip - inter))
+        return w.view(num_experts, ip // 16, 16, hidden).transpose(2, 3)
+
+    p13 = torch.cat([features16(w13[:, :inter]), features16(w13[:, inter:])], dim=-1).contiguous()
+    p2 = torch.nn.functional.pad(w2, (0, 0, 0, hp - hidden)).view(num_experts, hp // 32, 32, inter)
+    return PackedExperts(p13, p2.transpose(2, 3).contiguous(), num_experts, hidden, inter)
+
+
+# the most scratch floats one kernel call takes (64 MiB); a larger prefill runs in token chunks, each still
+# hundreds of tokens (SmolMoE-sized experts, top-4: ~1,600), so the weights are read a few times at most
+MOE_SCRATCH_FLOATS = 16 << 20
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: PackedExperts, *,
                 check: bool = True) -> torch.Tensor:
-    """sum_j weights[:, j] * expert_{ids[:, j]}(x) with SwiGLU experts (csrc/moe.c), for the few tokens of a
-    decode step: every routed expert's weights read once. x [n, hidden]; weights [n, k] float32; ids [n, k]
-    int64 in [0, E); w13 [E, 2 * inter, hidden] (gate rows, then up rows); w2 [E, hidden, inter]; hidden and
-    inter multiples of 4 -> a new [n, hidden]."""
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x) with SwiGLU experts (csrc/moe.c): every expert's weights
+    read once for all the tokens (in chunks of tokens past MOE_SCRATCH_FLOATS of scratch). x [n, hidden];
+    weights [n, k] float32; ids [n, k] int64 in [0, E); ``packed`` from ``moe_pack`` -> a new [n, hidden]."""
     n, hidden = x.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
+    k = ids.shape[1] if ids.dim() == 2 else 0
     if check:
         _f32("x", x, 2, contiguous=True)
         _f32("weights", weights, 2, contiguous=True)
-        _f32("w13", w13, 3, contiguous=True)
-        _f32("w2", w2, 3, contiguous=True)
-        if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or hidden % 4 or inter % 4:
-            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
-                             f"(hidden and inter must be multiples of 4)")
+        if hidden != packed.hidden:
+            raise ValueError(f"x has {hidden} features, the experts take {packed.hidden}")
         if weights.shape != ids.shape or weights.shape[0] != n or not ids.is_contiguous():
             raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{n}, k] "
                              f"(ids contiguous)")
-        _indices("ids", ids.view(-1), ids.numel(), num_experts)
-    pairs = ids.numel()
+        _indices("ids", ids.view(-1), ids.numel(), packed.num_experts)
+    ip, hp = -(-packed.inter // 16) * 16, -(-hidden // 32) * 32
+    chunk = max(1, MOE_SCRATCH_FLOATS // max(1, k * (hidden + ip + hp)))
     out = torch.empty(n, hidden)
-    scratch = torch.empty(pairs * (2 * hidden + inter))
-    index = torch.empty(2 * pairs + num_experts + 1, dtype=torch.int64)
-    _load().rl_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                           out.data_ptr(), scratch.data_ptr(), index.data_ptr(), n, ids.shape[1], hidden, inter,
-                           num_experts, torch.get_num_threads())
+    lib, threads = _load(), torch.get_num_threads()
+    for t0 in range(0, n, chunk):
+        m = min(chunk, n - t0)
+        pairs = m * k
+        scratch = torch.empty(pairs * (hidden + ip + hp))
+        index = torch.empty(2 * pairs + packed.num_experts + 1, dtype=torch.int64)
+        lib.rl_moe_experts(x[t0].data_ptr(), ids[t0].data_ptr(), weights[t0].data_ptr(), packed.p13.data_ptr(),
+                           packed.p2.data_ptr(), out[t0].data_ptr(), scratch.data_ptr(), index.data_ptr(), m, k,
+                           hidden, packed.inter, packed.num_experts, threads)
     return out
 
 

@@ -65,6 +65,7 @@ class DeepseekMoE(nn.Module):
                                if shared else None)
         self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
+        self.shared_folded = False  # pack_experts_: the shared experts run inside the experts' kernel
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -76,10 +77,18 @@ class DeepseekMoE(nn.Module):
         """x [n, hidden] -> [n, hidden]. Under tensor parallelism the routed and shared experts' terms are
         summed in one all-reduce."""
         weights, ids = self.route(x)
+        if self.shared_folded:  # into the experts' kernel (Experts.pack_), each part weighted 1
+            assert isinstance(self.experts, Experts)
+            return self.experts(x, *self.experts.with_shared(weights, ids))
         if self.shared_experts is None:
             return self.experts(x, weights, ids)
         out = self.experts(x, weights, ids, reduce=False) + self.shared_experts.partial_sum(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def pack_experts_(self) -> None:
+        """Run the experts, and the shared experts where they fold in, on the compiled kernel (Experts.pack_)."""
+        if self.experts.pack_(self.shared_experts):
+            self.shared_experts, self.shared_folded = None, True
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

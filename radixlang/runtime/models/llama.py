@@ -313,10 +313,14 @@ class LlamaForCausalLM(nn.Module):
         kernels are now in use (False: not applicable, or no compiler here)."""
         if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
             return False
-        for m in self.modules():
+        for m in list(self.modules()):
             if (isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu")
                     or (isinstance(m, Experts) and m.act_is_silu)):
                 m.fused = True
+            experts = getattr(m, "experts", None)  # a MoE block: its experts (and shared expert) repacked
+            if (isinstance(experts, Experts) and experts.act_is_silu and experts.w13 is not None
+                    and experts.w13.dtype == torch.float32 and hasattr(m, "pack_experts_")):
+                m.pack_experts_()
         self.cpu_kernels = self.rotary_dim == self.head_dim  # the rotary kernel turns whole heads only
         return True
 

@@ -1,76 +1,82 @@
-/* The routed experts of a mixture-of-experts MLP for the few tokens of a decode step, in one call.
+/* The routed experts of a mixture-of-experts MLP (SwiGLU), every token count, in one call.
  *
- * At batch 32 with 16 experts and top-4, each expert sees ~8 rows: a matmul of 8 rows is far too small
- * for oneDNN/MKL to stream its weight at memory speed (one F.linear per expert read SmolMoE-sized
- * experts at ~10 GB/s here, a third of the machine's read bandwidth), and rl_linear's one-weight-row
- * kernel, made for 1-4 rows, turns compute-bound past 4. Here every expert's weights are read once per
- * call from PyTorch's own row-major layout (w13 [E, 2 * inter, hidden], gate rows then up rows; w2
- * [E, hidden, inter]) in one pass per block of up to 12 of the expert's token rows: 2 weight rows at a
- * time, each 16-float chunk of them multiplied into every row of the block (24 accumulators), or 4 weight
- * rows at a time for an expert of 1-4 rows; the next weight rows are prefetched into L2 as these stream by.
+ * Each expert's weights are read once per call in panels packed at load time (moe_pack in the Python
+ * wrapper), a layout made for this loop: a panel is 32 output features side by side for every input
+ * feature, [k][32] floats, read front to back. One pass over a panel serves a block of up to MOE_ROWS of
+ * the expert's token rows: per input feature c, the panel's 32 floats are loaded once and multiplied by a
+ * broadcast of each row's x[c] into that row's 32 sums, held in registers; the sums come out as whole
+ * vectors: no horizontal sums, no tail past the last 16 inputs. An expert of
+ * more rows runs one pass per block, the panel then coming from L2. The token rows of a block are
+ * transposed when gathered ([k][rows]), so that the broadcasts read one pointer.
+ *
+ *   p13 [E][ip / 16][hidden][32]: ip = inter rounded up to 16; floats 0-15 of a row are the gate features
+ *        16 b .. 16 b + 15 at one input feature, floats 16-31 the same up features, so silu(gate) * up
+ *        comes out of one pass (features past inter are zero);
+ *   p2  [E][hp / 32][inter][32]: hp = hidden rounded up to 32; 32 output features of the down projection.
+ *
+ * Against oneDNN's matmul per expert this reads the weights once for all a step's tokens (a decode step
+ * of 32 tokens over 16 experts gives each ~8 rows, far too few for a matmul to stream its weight at memory
+ * speed) and, at prefill sizes, keeps the FMA units busier (see docs/cpu.md for the figures).
  *
  * One parallel region, four phases split by OpenMP's barriers:
- *   1. the (token, choice) pairs sorted by expert (a counting sort, stable), their rows of x gathered;
- *   2. act[pair] = silu(x w_gate^T) * (x w_up^T), work items (expert, 32 intermediate features);
- *   3. y[pair] = act[pair] w2^T, work items (expert, 32 hidden features);
+ *   1. the (token, choice) pairs sorted by expert (a counting sort, stable), their rows of x gathered
+ *      into the experts' transposed row blocks;
+ *   2. act = silu(x w_gate^T) * (x w_up^T), work items (expert, 16 intermediate features), written
+ *      transposed for phase 3;
+ *   3. y = act w2^T, work items (expert, 32 hidden features);
  *   4. out[t] = sum_j weights[t, j] * y[pair (t, j)], in choice order (no atomics: deterministic).
- * Expert ids are trusted (the router's top-k); the Python wrapper checks shapes and strides. */
+ * Each sum runs over the input features in order in one accumulator, whatever the block, so a token's
+ * result does not depend on the other tokens of its expert. Expert ids are trusted (the router's top-k);
+ * the Python wrapper checks shapes and strides. */
 #include <stdint.h>
 #include <string.h>
 
 #include "vec.h"
 
-#define MOE_BLOCK 32 /* output features per work item; a multiple of 4 */
-#define MOE_ROWS 12  /* token rows one pass over the weight rows takes at most */
+/* One pass holds MOE_ROWS x 32 sums in registers, as vectors of VW floats: with AVX-512, 12 rows of two zmm
+ * (24 of the 32 registers); with AVX2, 4 rows of four ymm (all 16: the weights are read as FMA operands),
+ * which ran 1.3x faster than 2 rows and 1.2x faster than 3 at 32 tokens (8-float vectors there: GCC
+ * turned 16-float ones into stack traffic). */
+#if defined(__AVX512F__)
+#define MOE_ROWS 12
+#define VW 16
+typedef float vpan __attribute__((vector_size(64)));
+static inline vpan bcast(float v) { return (vpan){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+#else
+#define MOE_ROWS 4
+#define VW 8
+typedef float vpan __attribute__((vector_size(32)));
+static inline vpan bcast(float v) { return (vpan){v, v, v, v, v, v, v, v}; }
+#endif
+#define NV (32 / VW)
 
-/* sums[f * nr + r] = dot(wr[f], xr[r]) over k for nw weight rows and nr x rows (nw * nr <= 32), in one pass
- * over the weight rows: each 16-float chunk of them is loaded once and multiplied into every x row (nw * nr
- * accumulators of the 32 vector registers, summed by one or two transposing trees). The rows pf_step floats
- * past the weight rows (the caller's next ones) are prefetched into L2 as these stream by, one cache line
- * per 16 floats: prefetched into L1, which holds the x rows (up to 12 x 3.5 KB of its 32 KB), the kernel
- * ran ~1.4x slower. Every sum takes the same order of additions whatever nw and nr are, so a token's result does not
- * depend on the other tokens of its expert. */
-static inline __attribute__((always_inline)) void dots(const float *const *wr, int64_t pf_step,
-                                                       const float *const *xr, int64_t k, const int nw,
-                                                       const int nr, float *sums) {
-    v16f acc[32] = {{0}};
-    int64_t c = 0;
-    for (; c + 16 <= k; c += 16) {
-        v16f wv[4];
-        for (int f = 0; f < nw; f++) {
-            wv[f] = load16(wr[f] + c);
-            __builtin_prefetch(wr[f] + pf_step + c, 0, 1);
-        }
+/* sums[r * ld + f] = sum_c xt[c * nr + r] * panel[c * 32 + f] (f < 32) over k inputs, for nr rows */
+static inline __attribute__((always_inline)) void panel_pass(const float *panel, const float *xt, int64_t k,
+                                                             const int nr, float *sums, int64_t ld) {
+    vpan acc[MOE_ROWS][NV];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = bcast(0.0f);
+    for (int64_t c = 0; c < k; c++) {
+        vpan w[NV];
+        for (int v = 0; v < NV; v++) memcpy(&w[v], panel + c * 32 + v * VW, sizeof(vpan));
         for (int r = 0; r < nr; r++) {
-            const v16f xv = load16(xr[r] + c);
-            for (int f = 0; f < nw; f++) acc[f * nr + r] += wv[f] * xv;
+            const vpan xb = bcast(xt[c * nr + r]);
+            for (int v = 0; v < NV; v++) acc[r][v] += w[v] * xb;
         }
     }
-    store16(sums, hsum16x16(acc));
-    if (nw * nr > 16) store16(sums + 16, hsum16x16(acc + 16));
-    for (; c < k; c++)
-        for (int f = 0; f < nw; f++)
-            for (int r = 0; r < nr; r++) sums[f * nr + r] += wr[f][c] * xr[r][c];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < NV; v++) memcpy(sums + r * ld + v * VW, &acc[r][v], sizeof(vpan));
 }
 
-/* How many weight rows a pass takes for an expert whose row blocks are up to `block` rows: 4 for up to 4 rows
- * (a load per 4 FMAs at most, one tree per 16 sums), else 2, so that up to MOE_ROWS rows (24 accumulators)
- * share one pass. An expert's last block may be smaller than the others, but takes as many weight rows. */
-static inline int pass_weight_rows(int64_t block) { return block <= 4 ? 4 : 2; }
-
-/* dots with nw and nr compile-time constants in each branch, so its loops unroll into registers;
- * nw = 4 takes nr <= 4, nw = 2 nr <= MOE_ROWS */
-static void dots_rows(const float *const *wr, int64_t pf_step, const float *const *xr, int64_t k, int nw, int nr,
-                      float *sums) {
-#define CASE(w, n) case n: dots(wr, pf_step, xr, k, w, n, sums); return;
-    if (nw == 4) {
-        switch (nr) {
-            CASE(4, 4) CASE(4, 3) CASE(4, 2) default: dots(wr, pf_step, xr, k, 4, 1, sums); return;
-        }
-    }
+/* panel_pass with nr a compile-time constant in each branch, so its loops unroll into registers */
+static void panel_rows(const float *panel, const float *xt, int64_t k, int nr, float *sums, int64_t ld) {
+#define CASE(n) case n: panel_pass(panel, xt, k, n, sums, ld); return;
     switch (nr) {
-        CASE(2, 12) CASE(2, 11) CASE(2, 10) CASE(2, 9) CASE(2, 8) CASE(2, 7) CASE(2, 6) CASE(2, 5) CASE(2, 4)
-        CASE(2, 3) CASE(2, 2) default: dots(wr, pf_step, xr, k, 2, 1, sums);
+#if MOE_ROWS >= 12
+        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5)
+#endif
+        CASE(4) CASE(3) CASE(2)
+        default: panel_pass(panel, xt, k, 1, sums, ld);
     }
 #undef CASE
 }
@@ -82,62 +88,23 @@ static inline int64_t row_block(int64_t rows) {
     return (rows + blocks - 1) / blocks;
 }
 
-/* act rows [rows, inter] for features j0 .. j1 of one expert: silu(gate) * up. A pass takes the gate rows
- * j .. j + h - 1 then the up rows j .. j + h - 1, h = half its weight rows, so that lane f * nr + r (f < h)
- * of the sums is a gate and lane (h + f) * nr + r its up. */
-static void gate_up_block(const float *w13, const float *xs, float *act, int64_t rows, int64_t hidden,
-                          int64_t inter, int64_t j0, int64_t j1) {
-    float sums[48] = {0};
-    const int64_t block = row_block(rows);
-    const int h = pass_weight_rows(block) / 2;
-    for (int64_t j = j0; j < j1; j += h)
-        for (int64_t r0 = 0; r0 < rows; r0 += block) {
-            const int nr = (int)(rows - r0 < block ? rows - r0 : block);
-            const float *xr[MOE_ROWS], *wr[4];
-            for (int r = 0; r < nr; r++) xr[r] = xs + (r0 + r) * hidden;
-            for (int f = 0; f < h; f++) {
-                wr[f] = w13 + (j + f) * hidden;
-                wr[h + f] = w13 + (inter + j + f) * hidden;
-            }
-            dots_rows(wr, h * hidden, xr, hidden, 2 * h, nr, sums);
-            const v16f g = load16(sums), u = load16(sums + h * nr);
-            const v16f a = g / (1.0f + rl_exp16(-g)) * u; /* silu(g) * u, lane f * nr + r */
-            for (int f = 0; f < h; f++)
-                for (int r = 0; r < nr; r++) act[(r0 + r) * inter + j + f] = a[f * nr + r];
-        }
-}
-
-/* y rows [rows, hidden] for features o0 .. o1 of one expert's down projection */
-static void down_block(const float *w2, const float *act, float *y, int64_t rows, int64_t hidden, int64_t inter,
-                       int64_t o0, int64_t o1) {
-    float sums[48];
-    const int64_t block = row_block(rows);
-    const int nw = pass_weight_rows(block);
-    for (int64_t o = o0; o < o1; o += nw)
-        for (int64_t r0 = 0; r0 < rows; r0 += block) {
-            const int nr = (int)(rows - r0 < block ? rows - r0 : block);
-            const float *ar[MOE_ROWS], *wr[4];
-            for (int r = 0; r < nr; r++) ar[r] = act + (r0 + r) * inter;
-            for (int f = 0; f < nw; f++) wr[f] = w2 + (o + f) * inter;
-            dots_rows(wr, nw * inter, ar, inter, nw, nr, sums);
-            for (int f = 0; f < nw; f++)
-                for (int r = 0; r < nr; r++) y[(r0 + r) * hidden + o + f] = sums[f * nr + r];
-        }
-}
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* out [n, hidden] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for n tokens of top_k choices.
- * x [n, hidden]; ids [n, top_k] int64 in [0, num_experts); weights [n, top_k] float32;
- * w13 [num_experts, 2 * inter, hidden]; w2 [num_experts, hidden, inter]; hidden and inter multiples of 4.
- * scratch: n * top_k * (2 * hidden + inter) floats; index: 2 * n * top_k + num_experts + 1 int64s. */
-void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, const float *w13, const float *w2,
+ * x [n, hidden]; ids [n, top_k] int64 in [0, num_experts); weights [n, top_k] float32; p13, p2 packed as
+ * above. scratch: n * top_k * (hidden + ip + hp) floats; index: 2 * n * top_k + num_experts + 1 int64s. */
+void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, const float *p13, const float *p2,
                     float *out, float *scratch, int64_t *index, int64_t n, int64_t top_k, int64_t hidden,
                     int64_t inter, int64_t num_experts, int nthreads) {
     const int64_t pairs = n * top_k;
+    const int64_t ip = (inter + 15) / 16 * 16, hp = (hidden + 31) / 32 * 32;
+    const int64_t up_panels = ip / 16, down_panels = hp / 32;
     int64_t *slot = index;          /* [pairs]: where pair p = t * top_k + j sits in expert order */
     int64_t *token = index + pairs; /* [pairs]: the token of each slot */
     int64_t *start = token + pairs; /* [num_experts + 1]: each expert's first slot */
-    float *xs = scratch, *act = xs + pairs * hidden, *y = act + pairs * inter;
-    const int64_t up_blocks = (inter + MOE_BLOCK - 1) / MOE_BLOCK, down_blocks = (hidden + MOE_BLOCK - 1) / MOE_BLOCK;
+    /* from slot start[e] + r0 on, the block of rows r0 .. r0 + nr of expert e: xs [hidden][nr],
+     * act [ip][nr] (both transposed), y [nr][hp] */
+    float *xs = scratch, *act = xs + pairs * hidden, *y = act + pairs * ip;
 
     memset(start, 0, sizeof(int64_t) * (num_experts + 1));
     for (int64_t p = 0; p < pairs; p++) start[ids[p] + 1]++;
@@ -152,26 +119,48 @@ void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, co
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < pairs; s++) memcpy(xs + s * hidden, x + token[s] * hidden, sizeof(float) * hidden);
-
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t item = 0; item < num_experts * up_blocks; item++) {
-            const int64_t e = item / up_blocks, rows = start[e + 1] - start[e];
-            if (rows == 0) continue;
-            const int64_t j0 = (item % up_blocks) * MOE_BLOCK, j1 = j0 + MOE_BLOCK < inter ? j0 + MOE_BLOCK : inter;
-            gate_up_block(w13 + e * 2 * inter * hidden, xs + start[e] * hidden, act + start[e] * inter, rows, hidden,
-                          inter, j0, j1);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < num_experts; e++) {
+            const int64_t rows = start[e + 1] - start[e], block = row_block(rows > 0 ? rows : 1);
+            for (int64_t r0 = 0; r0 < rows; r0 += block) {
+                const int64_t nr = min64(rows - r0, block);
+                float *dst = xs + (start[e] + r0) * hidden;
+                for (int64_t r = 0; r < nr; r++) {
+                    const float *src = x + token[start[e] + r0 + r] * hidden;
+                    for (int64_t c = 0; c < hidden; c++) dst[c * nr + r] = src[c];
+                }
+            }
         }
 
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t item = 0; item < num_experts * down_blocks; item++) {
-            const int64_t e = item / down_blocks, rows = start[e + 1] - start[e];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_experts * up_panels; item++) {
+            const int64_t e = item / up_panels, b = item % up_panels, rows = start[e + 1] - start[e];
             if (rows == 0) continue;
-            const int64_t o0 = (item % down_blocks) * MOE_BLOCK;
-            const int64_t o1 = o0 + MOE_BLOCK < hidden ? o0 + MOE_BLOCK : hidden;
-            down_block(w2 + e * hidden * inter, act + start[e] * inter, y + start[e] * hidden, rows, hidden, inter,
-                       o0, o1);
+            const float *panel = p13 + (e * up_panels + b) * hidden * 32;
+            const int64_t block = row_block(rows);
+            for (int64_t r0 = 0; r0 < rows; r0 += block) {
+                const int nr = (int)min64(rows - r0, block);
+                float sums[MOE_ROWS * 32];
+                panel_rows(panel, xs + (start[e] + r0) * hidden, hidden, nr, sums, 32);
+                float *dst = act + (start[e] + r0) * ip + b * 16 * nr;
+                for (int r = 0; r < nr; r++) {
+                    const v16f gate = load16(sums + r * 32), up = load16(sums + r * 32 + 16);
+                    const v16f a = gate / (1.0f + rl_exp16(-gate)) * up;
+                    for (int f = 0; f < 16; f++) dst[f * nr + r] = a[f];
+                }
+            }
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_experts * down_panels; item++) {
+            const int64_t e = item / down_panels, b = item % down_panels, rows = start[e + 1] - start[e];
+            if (rows == 0) continue;
+            const float *panel = p2 + (e * down_panels + b) * inter * 32;
+            const int64_t block = row_block(rows);
+            for (int64_t r0 = 0; r0 < rows; r0 += block) {
+                const int nr = (int)min64(rows - r0, block);
+                panel_rows(panel, act + (start[e] + r0) * ip, inter, nr, y + (start[e] + r0) * hp + b * 32, hp);
+            }
         }
 
 #pragma omp for schedule(static)
@@ -180,7 +169,7 @@ void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, co
             for (int64_t c = 0; c < hidden; c++) o[c] = 0.0f;
             for (int64_t j = 0; j < top_k; j++) {
                 const float wt = weights[t * top_k + j];
-                const float *yr = y + slot[t * top_k + j] * hidden;
+                const float *yr = y + slot[t * top_k + j] * hp;
 #pragma omp simd
                 for (int64_t c = 0; c < hidden; c++) o[c] += wt * yr[c];
             }

@@ -3,8 +3,11 @@ routing rule of the model (softmax then top-k, with or without renormalising the
 grouped routing, V2 over softmax scores, V3 over sigmoid scores with a selection bias), an optional
 shared expert, and a dispatch that sorts the (token, expert) pairs by expert so each expert runs one
 matmul over all its tokens: the Python loop is over experts (at most ``num_experts`` steps), never
-over tokens. On the CPU in float32 with SwiGLU experts, a step of few tokens (decode) runs the routed
-experts in one compiled call instead (kernels/cpu/csrc/moe.c), which reads each expert's weights once.
+over tokens. On the CPU in float32 with SwiGLU experts, the compiled kernels replace all of that: the
+experts' weights are repacked once into the panels kernels/cpu/csrc/moe.c reads, and every step (decode
+or prefill) runs the routed experts in one call that reads each expert's weights once for all its tokens.
+A shared expert (Qwen2-MoE, DeepSeek) is folded into that call as extra experts of the routed width,
+which every token picks, weighted by its gate (Qwen2-MoE) or by 1 (DeepSeek).
 
 Under tensor parallelism every rank holds every expert, each over its slice of the intermediate
 features (gate/up rows, down columns, as a dense MLP is split); the router is replicated, so every rank
@@ -25,11 +28,6 @@ from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 # checkpoint names of one expert's tensors: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)"
                      r"\.weight$")
-# Up to this many (token, choice) pairs per expert on average, the compiled kernel (csrc/moe.c) runs the
-# experts: it reads each expert's weights once for all its rows, where a matmul per expert of a few rows
-# streamed them at a third of the read bandwidth (SmolMoE-sized experts: 2-3x faster at 1-32 tokens of
-# top-4 over 16 experts, 1.5x at 128); past it (prefills) oneDNN's matmuls win.
-FUSED_MAX_ROWS_PER_EXPERT = 32
 _PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
          "down_proj": ("w2", None), "w2": ("w2", None)}
 
@@ -107,15 +105,42 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act, self.act_is_silu = act, act_is_silu
-        self.fused = False  # the compiled CPU kernels: the whole layer for few tokens, else silu(gate) * up
+        self.fused = False  # the compiled silu(gate) * up between the per-expert matmuls (see pack_)
+        self.packed: cpu_ops.PackedExperts | None = None  # pack_: the compiled kernel runs every expert
+        self.shared = 0  # experts past num_experts in ``packed``: a shared expert folded in (pack_)
+
+    def pack_(self, shared: nn.Module | None = None) -> bool:
+        """Repack the float32 SwiGLU experts into csrc/moe.c's panels and drop the plain w13 / w2 (no second
+        copy of the experts is kept). ``shared``: a dense SwiGLU MLP (llama.MLP, this rank's slice under
+        tp) with plain float32 weights: its gate/up rows and down columns are cut into ``self.shared``
+        extra experts of this width (the last zero-padded), which sum to it (SwiGLU is a sum over its
+        intermediate features). Returns whether ``shared`` was folded in (the caller may then drop it)."""
+        parts = _shared_parts(shared, self.inter, self.w13.shape[2]) if shared is not None else None
+        w13, w2 = self.w13.detach(), self.w2.detach()
+        if parts is not None:
+            w13, w2 = torch.cat([w13, parts[0]]), torch.cat([w2, parts[1]])
+            self.shared = parts[0].shape[0]
+        self.packed = cpu_ops.moe_pack(w13.contiguous(), w2.contiguous())
+        self.w13 = self.w2 = None  # type: ignore[assignment]  # registered None: gone from the state dict
+        return parts is not None
+
+    def with_shared(self, weights: torch.Tensor, ids: torch.Tensor,
+                    scale: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing plus the folded shared expert's parts (see pack_), each token's pick with ``scale``
+        ([n, 1] or a number) as its weight."""
+        n = ids.shape[0]
+        extra = torch.arange(self.num_experts, self.num_experts + self.shared, dtype=ids.dtype).expand(n, -1)
+        scale = scale.float().expand(n, self.shared) if isinstance(scale, torch.Tensor) else \
+            torch.full((n, self.shared), float(scale))
+        return torch.cat([weights.float(), scale], 1), torch.cat([ids, extra], 1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
                 reduce: bool = True) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]
         (summed over the tensor-parallel ranks; ``reduce=False``: this rank's term, the caller sums)."""
-        if self.fused and ids.numel() <= FUSED_MAX_ROWS_PER_EXPERT * self.num_experts:
-            out = cpu_ops.moe_experts(x.contiguous(), weights.float().contiguous(), ids.contiguous(), self.w13,
-                                      self.w2, check=False)
+        if self.packed is not None:
+            out = cpu_ops.moe_experts(x.contiguous(), weights.float().contiguous(), ids.contiguous(), self.packed,
+                                      check=False)
         else:
             out = dispatch(x, weights, ids, self.num_experts, self._expert)
         return out if self.tp is None or not reduce else self.tp.all_reduce(out)
@@ -172,16 +197,48 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
         self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
+        self.shared_folded = False  # pack_experts_: the shared expert runs inside the experts' kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]. Under tensor parallelism the experts' and the shared expert's
         terms (its per-token gate scales each rank's term alike) are summed in one all-reduce."""
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, renormalize=self.renormalize)
+        if self.shared_folded:  # into the experts' kernel (Experts.pack_)
+            assert self.shared_expert_gate is not None and isinstance(self.experts, Experts)
+            return self.experts(x, *self.experts.with_shared(weights, ids, torch.sigmoid(self.shared_expert_gate(x))))
         if self.shared_expert is None:
             return self.experts(x, weights, ids)
         out = self.experts(x, weights, ids, reduce=False)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sum(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def pack_experts_(self) -> None:
+        """Run the experts, and the shared expert where it folds in, on the compiled kernel (Experts.pack_)."""
+        if self.experts.pack_(self.shared_expert):
+            self.shared_expert, self.shared_folded = None, True
+
+
+def _plain_weight(linear: nn.Module) -> torch.Tensor | None:
+    """A bias-free linear's float32 row-major weight (a packed linear's kept plain copy), else None."""
+    if getattr(linear, "bias", None) is not None:
+        return None
+    w = getattr(linear, "plain", None) if hasattr(linear, "packed") else getattr(linear, "weight", None)
+    return w.detach() if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 else None
+
+
+def _shared_parts(mlp: nn.Module, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A dense SwiGLU MLP (gate_up_proj: gate rows then up rows; down_proj) as S experts of ``inter``
+    features, the last padded with zero features (silu(0) * 0 adds nothing): (w13 [S, 2 * inter, hidden],
+    w2 [S, hidden, inter]); None when its weights are not plain float32 ones."""
+    gate_up, down = (_plain_weight(getattr(mlp, name, None)) for name in ("gate_up_proj", "down_proj"))
+    width = getattr(mlp, "inter", 0)
+    if (gate_up is None or down is None or getattr(mlp, "act_name", None) != "silu"
+            or gate_up.shape != (2 * width, hidden) or down.shape != (hidden, width)):
+        return None
+    parts = -(-width // inter)
+    pad = parts * inter - width
+    gate, up = (F.pad(half, (0, 0, 0, pad)).view(parts, inter, hidden) for half in gate_up.split(width))
+    return torch.cat([gate, up], 1), F.pad(down, (0, pad)).view(hidden, parts, inter).transpose(0, 1)
 
 
 def expert_param_name(name: str) -> str | None:
