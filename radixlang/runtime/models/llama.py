@@ -314,8 +314,7 @@ class LlamaForCausalLM(nn.Module):
         if self.cos_cache.device.type != "cpu" or self.cos_cache.dtype != torch.float32 or not cpu_ops.available():
             return False
         for m in list(self.modules()):
-            if (isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu")
-                    or (isinstance(m, Experts) and m.act_is_silu)):
+            if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu"):
                 m.fused = True
             experts = getattr(m, "experts", None)  # a MoE block: its experts (and shared expert) repacked
             if (isinstance(experts, Experts) and experts.act_is_silu and experts.w13 is not None

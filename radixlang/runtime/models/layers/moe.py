@@ -105,7 +105,6 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act, self.act_is_silu = act, act_is_silu
-        self.fused = False  # the compiled silu(gate) * up between the per-expert matmuls (see pack_)
         self.packed: cpu_ops.PackedExperts | None = None  # pack_: the compiled kernel runs every expert
         self.shared = 0  # experts past num_experts in ``packed``: a shared expert folded in (pack_)
 
@@ -146,13 +145,8 @@ class Experts(nn.Module):
         return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        h = F.linear(xs, self.w13[e])  # [count, 2 * inter]
-        if self.fused:
-            h = cpu_ops.silu_mul(h.contiguous(), check=False)
-        else:
-            gate, up = h.split(self.inter, dim=-1)
-            h = self.act(gate) * up
-        return F.linear(h, self.w2[e])
+        gate, up = F.linear(xs, self.w13[e]).split(self.inter, dim=-1)  # [count, inter] each
+        return F.linear(self.act(gate) * up, self.w2[e])
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
