@@ -45,7 +45,7 @@ def test_tp2_matches_tp1(name, tmp_path):
             # the shared expert (this rank's 16 features) folded into the experts' kernel as a 7th expert;
             # the first layer dense
             moe = model.layers[1].mlp
-            assert moe.shared_experts is None and moe.experts.shared == 1 and moe.experts.packed.inter == 16
+            assert moe.shared_experts is None and moe.experts.num_shared == 1 and moe.experts.packed.inter == 16
             assert moe.experts.packed.num_experts == 7 and model.layers[0].mlp.inter == 96
         got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)

@@ -39,8 +39,8 @@ def _case(n, k, experts, hidden, inter, *, seed=0, skew=0.0):
 
 @pytest.mark.parametrize("n,k,experts,hidden,inter,skew", [
     (1, 2, 8, 96, 64, 0.0),  # one token: most experts idle
-    (5, 2, 8, 100, 36, 0.0),  # widths with a tail past the last 16 floats
-    (32, 4, 16, 128, 96, 0.5),  # uneven: some experts 9+ rows (row blocks of 4 and a remainder), some none
+    (5, 2, 8, 100, 36, 0.0),  # widths no multiple of 16 or 32: zero-padded panels
+    (32, 4, 16, 128, 96, 0.5),  # uneven: some experts 9+ rows (AVX2: several blocks), some none
     (7, 3, 4, 64, 1540, 0.0),  # intermediate wider than several work items
     (64, 8, 64, 32, 20, 1.0),  # many experts, hidden narrower than one vector
     (9, 2, 4, 37, 29, 0.0),  # no multiple of 4 anywhere: padded panels, a part-filled last vector
@@ -56,10 +56,10 @@ def test_moe_experts_match_token_by_token(n, k, experts, hidden, inter, skew):
     assert (out.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("hidden,inter", [(64, 48), (40, 36)])  # (40, 36): tails past the last 16 floats
+@pytest.mark.parametrize("hidden,inter", [(64, 48), (40, 36)])  # (40, 36): padded panels
 def test_moe_experts_every_row_block(hidden, inter):
     """Experts of 1 to 13 rows (with AVX-512 one pass of 1-12 rows, a split 13: 7 + 6; with AVX2 passes of
-    up to 4), 25 (9 + 8 + 8) and 133 rows (twelve blocks of 12 or 11), one choice per token."""
+    up to 4), 25 (9 + 9 + 7) and 133 rows (eleven blocks of 12 and a last one of 1), one choice per token."""
     counts = [*range(1, 14), 25, 133]
     g = torch.Generator().manual_seed(5)
     ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
@@ -115,6 +115,8 @@ def test_moe_experts_refuse_what_the_c_code_cannot_read(bad):
     elif bad == "w13_shape":
         with pytest.raises(ValueError, match="w13"):
             cpu.moe_pack(w13[:, :-4].contiguous(), w2)
+        with pytest.raises(ValueError, match="one w13 and one w2 per expert"):
+            cpu.moe_pack(w13[:-1], w2)
         return
     elif bad == "hidden":
         x = x[:, :-4].contiguous()
@@ -142,7 +144,18 @@ def test_shared_expert_folds_into_the_experts_call(shared_inter):
     with torch.inference_mode():
         want = [block(x) for x in xs]
         block.pack_experts_()
-        assert block.experts.shared == -(-shared_inter // 32) and block.shared_expert is None
+        assert block.experts.num_shared == -(-shared_inter // 32) and block.shared_expert is None
         assert block.experts.w13 is None and "experts.w13" not in dict(block.named_parameters())
         for x, ref in zip(xs, want):
             assert (block(x) - ref).abs().max().item() < 1e-5
+
+
+def test_pack_refuses_experts_the_kernel_cannot_run():
+    from radixlang.runtime.models.layers.moe import Experts
+    gelu = Experts(4, 32, 16, F.gelu, act_is_silu=False)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        gelu.pack_()
+    silu = Experts(4, 32, 16, F.silu, act_is_silu=True)
+    silu.pack_()
+    with pytest.raises(ValueError, match="already packed"):
+        silu.pack_()

@@ -174,3 +174,53 @@ def test_interleaved_layouts():
     assert _q8(32, 128, 64)[0].interleave().layout == "q8"  # groups of 64: the per-feature kernel
     with pytest.raises(ValueError, match="cannot be stacked"):
         qk.QuantWeight.concat([w.interleave(), w.interleave()])
+
+
+def _experts_reference(x, weights, ids, w13, w2):
+    """Each token through each of its experts on the int8 kernels one at a time (the per-expert path's
+    calls), SiLU in torch."""
+    inter = w2[0].in_features
+    out = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = qk.linear(x[t:t + 1], w13[e]).split(inter, dim=-1)
+            out[t] += float(weights[t, j]) * qk.linear(torch.nn.functional.silu(gate) * up, w2[e])[0]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["q4", "q8-g32", "q8-g16-no-offsets", "q4x16", "q8x16-g32"])
+def test_quant_moe_runs_the_experts_of_a_decode_step_in_one_call(layout):
+    """The one-call layer (rl_quant_moe_i8) against each token through its experts one kernel call at a time:
+    one token (fewer experts with rows than threads: each expert on every thread), and 6 tokens over 6
+    experts, two rows each (the plain layouts' int8 limit; the experts shared among the threads); an expert
+    past max_rows hands the step back (None)."""
+    hidden, inter, experts = 64, 96, 6
+    make = MAKERS[layout.replace("x16", "")]
+    w13 = [make(2 * inter, hidden, 10 + e)[0] for e in range(experts)]
+    w2 = [make(hidden, inter, 20 + e)[0] for e in range(experts)]
+    if "x16" in layout:
+        if qk.vnni() != "avx512-vnni":
+            pytest.skip("the interleaved layouts are for AVX512-VNNI")
+        w13, w2 = [w.interleave() for w in w13], [w.interleave() for w in w2]
+        assert w13[0].layout.endswith("x16") and w2[0].layout.endswith("x16")
+    moe = qk.QuantMoE.build(w13, w2)
+    assert moe is not None
+    g = torch.Generator().manual_seed(3)
+    spread = torch.tensor([[t, (t + 3) % experts] for t in range(experts)])  # every expert twice
+    for ids in (torch.tensor([[4]]), torch.tensor([[1, 5]]), spread):
+        n, k = ids.shape
+        x = torch.randn(n, hidden, generator=g)
+        weights = torch.rand(n, k, generator=g) + 0.2
+        got = moe(x, weights, ids)
+        assert got is not None
+        want = _experts_reference(x, weights, ids, w13, w2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    ids = torch.zeros(moe.max_rows + 1, 1, dtype=torch.int64)  # one expert past the int8 kernels' rows
+    assert moe(torch.randn(ids.shape[0], hidden), torch.ones(ids.shape), ids) is None
+
+
+def test_quant_moe_is_not_built_for_mixed_layouts():
+    a = [_q4(96, 64, s)[0] for s in range(2)]
+    mixed = [_q4(64, 96, 5)[0], _q8(64, 96, 32, 6)[0]]
+    assert qk.QuantMoE.build(a, mixed) is None

@@ -398,6 +398,7 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
     import gguf
 
     from radixlang import Engine
+    from radixlang.kernels.cpu import quant as qk
     from radixlang.runtime.models.gguf_experts import QuantExperts
     from radixlang.runtime.models.layers.moe import Experts
 
@@ -416,6 +417,9 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
         moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
         assert moe_layers and all(isinstance(m.experts, QuantExperts) for m in moe_layers)
         assert {m.experts.source_type for m in moe_layers} == {"Q4_0/Q8_0"}
+        # on a VNNI CPU the steps below (the 14-token prompt's experts hold a few rows each) run each layer's
+        # experts in one compiled call (quant.QuantMoE)
+        assert all((m.experts.kernel is not None) == (qk.vnni() is not None) for m in moe_layers)
         assert not any(isinstance(m, Experts) for m in model.modules())
         assert {f"layers.{i}.mlp.experts.w13" for i, layer in enumerate(model.layers)
                 if hasattr(layer.mlp, "experts")} <= model.deferred_params

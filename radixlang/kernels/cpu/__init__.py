@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -163,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PackedExperts:
     """SwiGLU experts in the panels csrc/moe.c reads (``moe_pack`` makes them): p13 [E, ip / 16, hidden, 32]
     (16 gate then the same 16 up features per input feature, ip = inter rounded up to 16, zeros past
@@ -174,28 +175,33 @@ class PackedExperts:
     hidden: int
     inter: int
 
-    def nbytes(self) -> int:
-        return (self.p13.numel() + self.p2.numel()) * self.p13.element_size()
 
-
-def moe_pack(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
-    """w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter] (float32) -> the panels
-    ``moe_experts`` reads (a copy: the caller may drop the plain weights)."""
-    _f32("w13", w13, 3)
-    _f32("w2", w2, 3)
-    num_experts, hidden, inter = w2.shape
-    if w13.shape != (num_experts, 2 * inter, hidden):
-        raise ValueError(f"w13 {tuple(w13.shape)} does not fit w2 {tuple(w2.shape)}: want "
-                         f"[{num_experts}, {2 * inter}, {hidden}]")
+def moe_pack(w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]) -> PackedExperts:
+    """Each expert's float32 w13 [2 * inter, hidden] (gate rows, then up rows) and w2 [hidden, inter] (a
+    stacked [E, ...] tensor is such a sequence) -> the panels ``moe_experts`` reads, a copy filled one expert
+    at a time: the caller may drop the plain weights, and packing holds one expert's copy besides them."""
+    if len(w13) != len(w2) or len(w13) == 0:
+        raise ValueError(f"one w13 and one w2 per expert, got {len(w13)} and {len(w2)}")
+    hidden, inter = w2[0].shape
+    for e, (a, b) in enumerate(zip(w13, w2)):
+        _f32(f"w13[{e}]", a, 2)
+        _f32(f"w2[{e}]", b, 2)
+        if a.shape != (2 * inter, hidden) or b.shape != (hidden, inter):
+            raise ValueError(f"expert {e}: w13 {tuple(a.shape)} and w2 {tuple(b.shape)} do not fit hidden "
+                             f"{hidden}, inter {inter} (w13 [{2 * inter}, {hidden}], w2 [{hidden}, {inter}])")
     ip, hp = -(-inter // 16) * 16, -(-hidden // 32) * 32
+    p13 = torch.empty(len(w13), ip // 16, hidden, 32)
+    p2 = torch.empty(len(w2), hp // 32, inter, 32)
 
-    def features16(w: torch.Tensor) -> torch.Tensor:  # [E, inter, hidden] -> [E, ip / 16, hidden, 16]
-        w = torch.nn.functional.pad(w, (0, 0, 0, ip - inter))
-        return w.view(num_experts, ip // 16, 16, hidden).transpose(2, 3)
+    def padded(w: torch.Tensor, rows: int, width: int) -> torch.Tensor:  # [n, k] -> [rows / width, width, k]
+        return torch.nn.functional.pad(w, (0, 0, 0, rows - w.shape[0])).view(rows // width, width, w.shape[1])
 
-    p13 = torch.cat([features16(w13[:, :inter]), features16(w13[:, inter:])], dim=-1).contiguous()
-    p2 = torch.nn.functional.pad(w2, (0, 0, 0, hp - hidden)).view(num_experts, hp // 32, 32, inter)
-    return PackedExperts(p13, p2.transpose(2, 3).contiguous(), num_experts, hidden, inter)
+    for e, (a, b) in enumerate(zip(w13, w2)):
+        gate, up = a.split(inter)
+        p13[e, ..., :16].permute(0, 2, 1).copy_(padded(gate, ip, 16))
+        p13[e, ..., 16:].permute(0, 2, 1).copy_(padded(up, ip, 16))
+        p2[e].permute(0, 2, 1).copy_(padded(b, hp, 32))
+    return PackedExperts(p13, p2, len(w13), hidden, inter)
 
 
 # the most scratch floats one kernel call takes (64 MiB); a larger prefill runs in token chunks, each still
@@ -220,14 +226,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packe
                              f"(ids contiguous)")
         _indices("ids", ids.view(-1), ids.numel(), packed.num_experts)
     ip, hp = -(-packed.inter // 16) * 16, -(-hidden // 32) * 32
-    chunk = max(1, MOE_SCRATCH_FLOATS // max(1, k * (hidden + ip + hp)))
+    chunk = min(n, max(1, MOE_SCRATCH_FLOATS // max(1, k * (hidden + ip + hp))))
     out = torch.empty(n, hidden)
+    scratch = torch.empty(chunk * k * (hidden + ip + hp))  # one allocation for every chunk
+    index = torch.empty(2 * chunk * k + packed.num_experts + 1, dtype=torch.int64)
     lib, threads = _load(), torch.get_num_threads()
     for t0 in range(0, n, chunk):
         m = min(chunk, n - t0)
-        pairs = m * k
-        scratch = torch.empty(pairs * (hidden + ip + hp))
-        index = torch.empty(2 * pairs + packed.num_experts + 1, dtype=torch.int64)
         lib.rl_moe_experts(x[t0].data_ptr(), ids[t0].data_ptr(), weights[t0].data_ptr(), packed.p13.data_ptr(),
                            packed.p2.data_ptr(), out[t0].data_ptr(), scratch.data_ptr(), index.data_ptr(), m, k,
                            hidden, packed.inter, packed.num_experts, threads)

@@ -40,6 +40,8 @@ _VNNI_SIGNATURES = {
     "rl_q8_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
     "rl_q4x16_linear_i8": (_INT, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
     "rl_q8x16_linear_i8": (_INT, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]),
+    "rl_quant_moe_i8": (_INT, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _I64, _P, _INT, _I64, _P, _I64,
+                               _INT, _P, _P, _P, _INT]),
 }
 VNNI_LEVELS = {2: "avx512-vnni", 1: "avx-vnni"}
 # how ``linear`` takes the activations: float32 (each weight decoded to float32), or quantized per group of
@@ -271,3 +273,50 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
         lib.rl_q8_dequantize(w.codes.data_ptr(), w.group, w.scales.data_ptr(), w.offsets.data_ptr(),
                              out.data_ptr(), w.out_features, w.in_features, threads)
     return out
+
+
+class QuantMoE:
+    """A layer's quantized SwiGLU experts for csrc/quant_vnni.c's rl_quant_moe_i8: the sort, gather, SiLU and
+    weighted sum in C and every expert on the int8-activation kernels, in one call. ``build`` gives None where
+    that kernel does not take these weights here (no VNNI, the experts' layouts or groups differ)."""
+
+    def __init__(self, w13: list[QuantWeight], w2: list[QuantWeight]) -> None:
+        self.w13, self.w2 = w13, w2  # held: the tables below point into their tensors
+        self.hidden, self.inter = w2[0].out_features, w2[0].in_features
+        self.max_rows = min(int8_max_rows(w13[0]), int8_max_rows(w2[0]))
+        self.table13, self.table2 = _addresses(w13), _addresses(w2)
+
+    @classmethod
+    def build(cls, w13: list[QuantWeight], w2: list[QuantWeight]) -> QuantMoE | None:
+        same = all((w.layout, w.group) == (ws[0].layout, ws[0].group) for ws in (w13, w2) for w in ws)
+        if not same or not int8_fits(w13[0]) or not int8_fits(w2[0]):
+            return None
+        return cls(w13, w2)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """sum_j weights[:, j] * expert_{ids[:, j]}(x) for x [n, hidden] float32, weights [n, k] float32, ids
+        [n, k] int64 in range (the router's; not checked) -> [n, hidden], or None (nothing run) where an expert
+        holds more than ``max_rows`` rows: the caller's per-expert path runs those (the float32 kernels)."""
+        n, k = ids.shape
+        pairs = n * k
+        vl = _vnni_library()
+        assert vl is not None  # build() saw int8_fits
+        x, weights, ids = x.contiguous(), weights.float().contiguous(), ids.contiguous()
+        out = torch.empty(n, self.hidden)
+        scratch = torch.empty(pairs * (2 * self.hidden + 3 * self.inter))
+        index = torch.empty(2 * pairs + len(self.w13) + 1, dtype=torch.int64)
+        w13, w2 = self.w13[0], self.w2[0]
+        rc = vl.rl_quant_moe_i8(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n, k, self.hidden, self.inter,
+                                len(self.w13), LAYOUTS.index(w13.layout), w13.group, self.table13.data_ptr(),
+                                LAYOUTS.index(w2.layout), w2.group, self.table2.data_ptr(), self.max_rows,
+                                ACTIVATIONS[DEFAULT_ACTIVATIONS], scratch.data_ptr(), index.data_ptr(),
+                                out.data_ptr(), torch.get_num_threads())
+        if rc < 0:
+            raise RuntimeError(f"the int8 kernels declined {w13.layout} / {w2.layout} experts they were built for")
+        return out if rc == 0 else None
+
+
+def _addresses(ws: list[QuantWeight]) -> torch.Tensor:
+    """int64 [E, 3]: each weight's codes, scales and offsets addresses (0 where its offsets are all 0)."""
+    return torch.tensor([[w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr() if w.has_offsets else 0]
+                         for w in ws], dtype=torch.int64)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.runtime.models.layers.mla import MLAttention, deinterleave_rope_rows
-from radixlang.runtime.models.layers.moe import Experts, route_softmax_grouped
+from radixlang.runtime.models.layers.moe import Experts, MoEBlock, route_softmax_grouped
 from radixlang.runtime.models.layers.rotary import rope_tables
 from radixlang.runtime.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from radixlang.runtime.models.parallel import TPComm, shard_tensor
@@ -46,7 +46,7 @@ class Router(nn.Module):
         return F.linear(x.float(), self.weight.float())  # [n, E]
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(MoEBlock):
     sigmoid_routing = False  # V3
 
     def __init__(self, config: Any, tp: TPComm | None = None) -> None:
@@ -78,7 +78,6 @@ class DeepseekMoE(nn.Module):
         summed in one all-reduce."""
         weights, ids = self.route(x)
         if self.shared_folded:  # into the experts' kernel (Experts.pack_), each part weighted 1
-            assert isinstance(self.experts, Experts)
             return self.experts(x, *self.experts.with_shared(weights, ids))
         if self.shared_experts is None:
             return self.experts(x, weights, ids)

@@ -7,7 +7,9 @@ alone take ~120 GB in float32; kept as their blocks they are the file's ~17 GB. 
 the model's float ``Experts`` (layers/moe.py) with one ``QuantWeight`` per expert and projection (gate and
 up stacked into one, as the float path's w13) and runs the same expert-sorted dispatch, each expert's
 rows through the quantized kernels (kernels/cpu/quant.py), or, past ``KERNEL_MAX_ROWS`` rows (a prefill),
-through a float32 matmul on the expert's weights dequantized for that call.
+through a float32 matmul on the expert's weights dequantized for that call. On a VNNI CPU a step whose
+experts each hold at most the int8 kernels' rows (a decode step) runs the whole layer in one compiled call
+instead (``quant.QuantMoE``: the sort, SiLU and weighted sum in C, the same kernels).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class QuantExperts(nn.Module):
         self.num_experts, self.inter, self.hidden = len(w13), inter, hidden
         self.act, self.act_is_silu, self.tp = act, act_is_silu, tp
         self.source_type = source_type
+        # decode steps: the whole layer in one compiled call (SwiGLU experts on a VNNI CPU)
+        self.kernel = qk.QuantMoE.build(self.w13, self.w2) if act_is_silu and qk.available() else None
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {self.hidden} -> {self.inter}, {self.source_type}"
@@ -55,7 +59,10 @@ class QuantExperts(nn.Module):
                 reduce: bool = True) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> [n, hidden] in x's dtype (summed over the tp ranks;
         ``reduce=False``: this rank's term, the caller sums)."""
-        out = dispatch(x.float(), weights, ids, self.num_experts, self._expert).to(x.dtype)
+        out = self.kernel(x.float(), weights, ids) if self.kernel is not None else None
+        if out is None:  # an expert of more rows than the int8 kernels take (a prefill), or no such kernel
+            out = dispatch(x.float(), weights, ids, self.num_experts, self._expert)
+        out = out.to(x.dtype)
         return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
@@ -97,7 +104,7 @@ def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int
             kept.append(f"{name}: a type without a native layout")
         elif LAYOUTS[got["ffn_gate_exps"].tensor_type.name] != LAYOUTS[got["ffn_up_exps"].tensor_type.name]:
             kept.append(f"{name}: gate and up in different layouts")
-        elif _shapes(got) != (experts.num_experts, experts.inter * size, experts.w13.shape[2]):
+        elif _shapes(got) != (experts.num_experts, experts.inter * size, experts.hidden):
             kept.append(f"{name}: shapes {_shapes(got)} do not fit the model's experts")
         elif tp is not None and experts.inter % align:
             kept.append(f"{name}: a rank's {experts.inter} intermediate features cut the {align}-feature groups")

@@ -22,7 +22,7 @@ from torch import nn
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
-from radixlang.runtime.models.layers.moe import Experts, load_expert_weight
+from radixlang.runtime.models.layers.moe import Experts, MoEBlock, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_rotary_factor,
                                                     length_rows, rope_context_length, rope_switch_point,
@@ -316,10 +316,8 @@ class LlamaForCausalLM(nn.Module):
         for m in list(self.modules()):
             if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act_name == "silu"):
                 m.fused = True
-            experts = getattr(m, "experts", None)  # a MoE block: its experts (and shared expert) repacked
-            if (isinstance(experts, Experts) and experts.act_is_silu and experts.w13 is not None
-                    and experts.w13.dtype == torch.float32 and hasattr(m, "pack_experts_")):
-                m.pack_experts_()
+            if isinstance(m, MoEBlock) and isinstance(m.experts, Experts) and m.experts.packable():
+                m.pack_experts_()  # its experts (and shared expert) repacked for csrc/moe.c
         self.cpu_kernels = self.rotary_dim == self.head_dim  # the rotary kernel turns whole heads only
         return True
 

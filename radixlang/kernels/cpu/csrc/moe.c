@@ -81,8 +81,9 @@ static void panel_rows(const float *panel, const float *xt, int64_t k, int nr, f
 #undef CASE
 }
 
-/* the size of the row blocks an expert's rows are split into: as few blocks as MOE_ROWS allows, of near-equal
- * size (16 rows: 8 + 8), each block but the last this many rows */
+/* the size of the row blocks an expert's rows are split into: as few blocks as MOE_ROWS allows, each block
+ * but the last this many rows (AVX-512: 16 rows 8 + 8, 25 rows 9 + 9 + 7, 133 rows eleven of 12 and one of 1;
+ * the passes are as many as with equal blocks) */
 static inline int64_t row_block(int64_t rows) {
     const int64_t blocks = (rows + MOE_ROWS - 1) / MOE_ROWS;
     return (rows + blocks - 1) / blocks;

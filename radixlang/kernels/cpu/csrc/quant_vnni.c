@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RL_VNNI 2
 #elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
@@ -528,4 +530,96 @@ int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const ui
     (void)passes; (void)nthreads;
     return -1;
 #endif
+}
+
+/* A layer's quantized SwiGLU experts for the few rows of a decode step, in one call (gguf_experts.py:
+ * QuantExperts). Run from Python, each expert cost two kernel calls, a SiLU call and the dispatch's
+ * sort / gather / scatter ops, ~20 us an expert on top of its kernels; here the sort, the gather, SiLU
+ * and the weighted sum are loops in C and the experts run on the int8 kernels above.
+ *
+ * w13 / w2: per expert, the addresses of its codes, scales and offsets (0: all offsets are 0), as int64
+ * [E, 3]; layout: 0 q4, 1 q8, 2 q4x16, 3 q8x16 (quant.py: LAYOUTS), group: the q8 weight group. With at
+ * least as many experts holding rows as threads, the experts are shared among the threads (each runs
+ * its kernels on one thread: one parallel region for the layer); else each runs on every thread.
+ * Returns 1, having done nothing, when an expert holds more than max_rows rows (the caller runs its
+ * per-expert path), -1 when a kernel cannot run (no VNNI, a layout or group it does not take), else 0.
+ * scratch: n * top_k * (2 * hidden + 3 * inter) floats; index: 2 * n * top_k + num_experts + 1 int64s. */
+static int expert_linear(int layout, int64_t group, const int64_t *w, const float *x, int64_t M, int64_t K,
+                         float *y, int64_t N, int passes, int nthreads) {
+    const uint8_t *codes = (const uint8_t *)(intptr_t)w[0];
+    const float *scales = (const float *)(intptr_t)w[1], *offsets = (const float *)(intptr_t)w[2];
+    switch (layout) {
+        case 0: return rl_q4_linear_i8(x, M, K, codes, scales, offsets, NULL, y, N, passes, nthreads);
+        case 1: return rl_q8_linear_i8(x, M, K, group, (const int8_t *)codes, scales, offsets, NULL, y, N, passes,
+                                       nthreads);
+        case 2: return rl_q4x16_linear_i8(x, M, K, codes, scales, offsets, NULL, y, N, passes, nthreads);
+        case 3: return rl_q8x16_linear_i8(x, M, K, group, codes, scales, offsets, NULL, y, N, passes, nthreads);
+        default: return -1;
+    }
+}
+
+/* one expert's rows: h = xs w13^T, act = silu(gate) * up, y = act w2^T */
+static int run_expert(const float *xs, int64_t rows, int64_t hidden, int64_t inter, int layout13, int64_t group13,
+                      const int64_t *w13, int layout2, int64_t group2, const int64_t *w2, float *h, float *act,
+                      float *y, int passes, int nthreads) {
+    if (expert_linear(layout13, group13, w13, xs, rows, hidden, h, 2 * inter, passes, nthreads)) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = h + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        int64_t c = 0;
+        for (; c + 16 <= inter; c += 16) {
+            const v16f gv = load16(g + c);
+            store16(a + c, gv / (1.0f + rl_exp16(-gv)) * load16(u + c));
+        }
+        for (; c < inter; c++) a[c] = g[c] / (1.0f + rl_exp(-g[c])) * u[c];
+    }
+    return expert_linear(layout2, group2, w2, act, rows, inter, y, hidden, passes, nthreads);
+}
+
+int rl_quant_moe_i8(const float *x, const int64_t *ids, const float *weights, int64_t n, int64_t top_k,
+                    int64_t hidden, int64_t inter, int64_t num_experts, int layout13, int64_t group13,
+                    const int64_t *w13, int layout2, int64_t group2, const int64_t *w2, int64_t max_rows,
+                    int passes, float *scratch, int64_t *index, float *out, int nthreads) {
+    const int64_t pairs = n * top_k;
+    int64_t *slot = index, *token = index + pairs, *start = token + pairs;
+    float *xs = scratch, *h = xs + pairs * hidden, *act = h + pairs * 2 * inter, *y = act + pairs * inter;
+    memset(start, 0, sizeof(int64_t) * (num_experts + 1));
+    for (int64_t p = 0; p < pairs; p++) start[ids[p] + 1]++;
+    int64_t active = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        if (start[e + 1] > max_rows) return 1;
+        active += start[e + 1] > 0;
+        start[e + 1] += start[e];
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s = start[ids[p]]++;
+        slot[p] = s;
+        token[s] = p / top_k;
+    }
+    for (int64_t e = num_experts; e > 0; e--) start[e] = start[e - 1]; /* the ++ above moved each start */
+    start[0] = 0;
+    for (int64_t s = 0; s < pairs; s++) memcpy(xs + s * hidden, x + token[s] * hidden, sizeof(float) * hidden);
+
+    int failed = 0;
+    const int outer = nthreads > 1 && active >= nthreads; /* experts over threads, else threads in each */
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (outer) reduction(| : failed)
+    for (int64_t e = 0; e < num_experts; e++) {
+        const int64_t s = start[e], rows = start[e + 1] - s;
+        if (rows == 0) continue;
+        failed |= run_expert(xs + s * hidden, rows, hidden, inter, layout13, group13, w13 + 3 * e, layout2, group2,
+                             w2 + 3 * e, h + s * 2 * inter, act + s * inter, y + s * hidden, passes,
+                             outer ? 1 : nthreads) != 0;
+    }
+    if (failed) return -1;
+
+    for (int64_t t = 0; t < n; t++) {
+        float *o = out + t * hidden;
+        for (int64_t c = 0; c < hidden; c++) o[c] = 0.0f;
+        for (int64_t j = 0; j < top_k; j++) {
+            const float wt = weights[t * top_k + j];
+            const float *yr = y + slot[t * top_k + j] * hidden;
+            for (int64_t c = 0; c < hidden; c++) o[c] += wt * yr[c];
+        }
+    }
+    return 0;
 }

@@ -16,13 +16,14 @@ routes a token to the same experts, and the ranks' partial sums are all-reduced 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
+from radixlang.runtime.models.packed import PackedLinear
 from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
 # checkpoint names of one expert's tensors: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
@@ -92,8 +93,28 @@ def route_sigmoid_grouped(logits: torch.Tensor, top_k: int, *, bias: torch.Tenso
     return weights * scale, ids
 
 
+class DenseSwiGLU(Protocol):
+    """A shared expert as llama.MLP holds it: gate_up_proj (gate rows, then up rows), down_proj, this rank's
+    intermediate width, the activation's name, and this rank's term of its output."""
+
+    @property
+    def gate_up_proj(self) -> nn.Module: ...
+
+    @property
+    def down_proj(self) -> nn.Module: ...
+
+    @property
+    def inter(self) -> int: ...
+
+    @property
+    def act_name(self) -> str: ...
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class Experts(nn.Module):
-    """``num_experts`` gated MLPs: w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter]."""
+    """``num_experts`` gated MLPs: w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter];
+    after ``pack_`` both are None and ``packed`` holds them (with a folded shared expert's parts)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: Callable[[torch.Tensor], torch.Tensor],
                  *, act_is_silu: bool, tp: TPComm | None = None) -> None:
@@ -101,25 +122,34 @@ class Experts(nn.Module):
         super().__init__()
         if tp is not None:
             inter = split_evenly(inter, tp.size, "expert intermediate features")
-        self.num_experts, self.inter, self.tp = num_experts, inter, tp
+        self.num_experts, self.hidden, self.inter, self.tp = num_experts, hidden, inter, tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act, self.act_is_silu = act, act_is_silu
         self.packed: cpu_ops.PackedExperts | None = None  # pack_: the compiled kernel runs every expert
-        self.shared = 0  # experts past num_experts in ``packed``: a shared expert folded in (pack_)
+        self.num_shared = 0  # experts past num_experts in ``packed``: a shared expert folded in (pack_)
 
-    def pack_(self, shared: nn.Module | None = None) -> bool:
-        """Repack the float32 SwiGLU experts into csrc/moe.c's panels and drop the plain w13 / w2 (no second
-        copy of the experts is kept). ``shared``: a dense SwiGLU MLP (llama.MLP, this rank's slice under
-        tp) with plain float32 weights: its gate/up rows and down columns are cut into ``self.shared``
-        extra experts of this width (the last zero-padded), which sum to it (SwiGLU is a sum over its
-        intermediate features). Returns whether ``shared`` was folded in (the caller may then drop it)."""
-        parts = _shared_parts(shared, self.inter, self.w13.shape[2]) if shared is not None else None
-        w13, w2 = self.w13.detach(), self.w2.detach()
+    def packable(self) -> bool:
+        """Whether ``pack_`` applies: float32 SwiGLU experts on the CPU, not packed yet."""
+        return (self.act_is_silu and self.w13 is not None and self.w13.dtype == torch.float32
+                and self.w13.device.type == "cpu")
+
+    def pack_(self, shared: DenseSwiGLU | None = None) -> bool:
+        """Repack the experts into csrc/moe.c's panels and drop the plain w13 / w2 (no second copy of the
+        experts is kept). ``shared``: a dense SwiGLU MLP (this rank's slice under tp) with plain float32
+        weights: its gate/up rows and down columns are cut into ``num_shared`` extra experts of this width
+        (the last zero-padded), which sum to it (SwiGLU is a sum over its intermediate features). Returns
+        whether ``shared`` was folded in (the caller may then drop it)."""
+        if not self.packable():
+            raise ValueError(f"the compiled MoE kernel runs float32 SwiGLU experts on the CPU, not these "
+                             f"({'SwiGLU' if self.act_is_silu else 'another activation'}, "
+                             f"{'already packed' if self.w13 is None else f'{self.w13.dtype} on {self.w13.device}'})")
+        parts = _shared_parts(shared, self.inter, self.hidden) if shared is not None else None
+        w13, w2 = list(self.w13.detach()), list(self.w2.detach())  # views, one per expert
         if parts is not None:
-            w13, w2 = torch.cat([w13, parts[0]]), torch.cat([w2, parts[1]])
-            self.shared = parts[0].shape[0]
-        self.packed = cpu_ops.moe_pack(w13.contiguous(), w2.contiguous())
+            w13, w2 = w13 + list(parts[0]), w2 + list(parts[1])
+            self.num_shared = parts[0].shape[0]
+        self.packed = cpu_ops.moe_pack(w13, w2)
         self.w13 = self.w2 = None  # type: ignore[assignment]  # registered None: gone from the state dict
         return parts is not None
 
@@ -128,9 +158,9 @@ class Experts(nn.Module):
         """The routing plus the folded shared expert's parts (see pack_), each token's pick with ``scale``
         ([n, 1] or a number) as its weight."""
         n = ids.shape[0]
-        extra = torch.arange(self.num_experts, self.num_experts + self.shared, dtype=ids.dtype).expand(n, -1)
-        scale = scale.float().expand(n, self.shared) if isinstance(scale, torch.Tensor) else \
-            torch.full((n, self.shared), float(scale))
+        extra = torch.arange(self.num_experts, self.num_experts + self.num_shared, dtype=ids.dtype).expand(n, -1)
+        scale = scale.float().expand(n, self.num_shared) if isinstance(scale, torch.Tensor) else \
+            torch.full((n, self.num_shared), float(scale))
         return torch.cat([weights.float(), scale], 1), torch.cat([ids, extra], 1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
@@ -174,13 +204,22 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_expe
     return (unsorted.view(n, k, x.shape[1]) * weights.to(out.dtype)[..., None]).sum(1)
 
 
-class SparseMoE(nn.Module):
+class MoEBlock(nn.Module):
+    """A MoE layer's feed-forward block whose float experts the compiled kernel can run (llama.use_cpu_kernels
+    calls ``pack_experts_`` where ``experts.packable()``)."""
+    experts: Experts
+
+    def pack_experts_(self) -> None:
+        raise NotImplementedError
+
+
+class SparseMoE(MoEBlock):
     """Router (``gate``, [E, hidden]) + experts + optional shared expert (Qwen2-MoE: a dense MLP scaled
     by sigmoid(shared_expert_gate(x)))."""
 
     def __init__(self, config: Any, *, num_experts: int, top_k: int, inter: int, renormalize: bool,
                  act: Callable[[torch.Tensor], torch.Tensor], act_is_silu: bool,
-                 shared_expert: nn.Module | None = None, tp: TPComm | None = None) -> None:
+                 shared_expert: DenseSwiGLU | None = None, tp: TPComm | None = None) -> None:
         """``shared_expert`` is built for the same ``tp`` (a dense MLP that sums over the ranks itself)."""
         super().__init__()
         hidden = config.hidden_size
@@ -197,10 +236,9 @@ class SparseMoE(nn.Module):
         """x [n, hidden] -> [n, hidden]. Under tensor parallelism the experts' and the shared expert's
         terms (its per-token gate scales each rank's term alike) are summed in one all-reduce."""
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, renormalize=self.renormalize)
-        if self.shared_folded:  # into the experts' kernel (Experts.pack_)
-            assert self.shared_expert_gate is not None and isinstance(self.experts, Experts)
+        if self.shared_folded and self.shared_expert_gate is not None:  # in the experts' kernel (Experts.pack_)
             return self.experts(x, *self.experts.with_shared(weights, ids, torch.sigmoid(self.shared_expert_gate(x))))
-        if self.shared_expert is None:
+        if self.shared_expert is None or self.shared_expert_gate is None:
             return self.experts(x, weights, ids)
         out = self.experts(x, weights, ids, reduce=False)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sum(x)
@@ -214,19 +252,21 @@ class SparseMoE(nn.Module):
 
 def _plain_weight(linear: nn.Module) -> torch.Tensor | None:
     """A bias-free linear's float32 row-major weight (a packed linear's kept plain copy), else None."""
-    if getattr(linear, "bias", None) is not None:
+    if isinstance(linear, PackedLinear):
+        w, bias = linear.plain, linear.bias
+    elif isinstance(linear, nn.Linear):
+        w, bias = linear.weight.detach(), linear.bias
+    else:
         return None
-    w = getattr(linear, "plain", None) if hasattr(linear, "packed") else getattr(linear, "weight", None)
-    return w.detach() if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 else None
+    return w if bias is None and w is not None and w.dtype == torch.float32 else None
 
 
-def _shared_parts(mlp: nn.Module, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _shared_parts(mlp: DenseSwiGLU, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A dense SwiGLU MLP (gate_up_proj: gate rows then up rows; down_proj) as S experts of ``inter``
     features, the last padded with zero features (silu(0) * 0 adds nothing): (w13 [S, 2 * inter, hidden],
     w2 [S, hidden, inter]); None when its weights are not plain float32 ones."""
-    gate_up, down = (_plain_weight(getattr(mlp, name, None)) for name in ("gate_up_proj", "down_proj"))
-    width = getattr(mlp, "inter", 0)
-    if (gate_up is None or down is None or getattr(mlp, "act_name", None) != "silu"
+    gate_up, down, width = _plain_weight(mlp.gate_up_proj), _plain_weight(mlp.down_proj), mlp.inter
+    if (gate_up is None or down is None or mlp.act_name != "silu"
             or gate_up.shape != (2 * width, hidden) or down.shape != (hidden, width)):
         return None
     parts = -(-width // inter)
