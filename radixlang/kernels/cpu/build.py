@@ -21,7 +21,8 @@ QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_ops.c"
 QUANT_VNNI_SOURCE = Path(__file__).parent / "csrc" / "quant_vnni.c"
 DECODE_STACK_SOURCE = Path(__file__).parent / "csrc" / "decode_stack.c"
 MOE_SOURCE = Path(__file__).parent / "csrc" / "moe.c"
-HEADERS = (Path(__file__).parent / "csrc" / "vec.h",)  # included by the sources: part of every cache key
+# included by the sources: part of every cache key
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "moe_pairs.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 

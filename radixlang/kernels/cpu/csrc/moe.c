@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "moe_pairs.h"
 #include "vec.h"
 
 /* One pass holds MOE_ROWS x 32 sums in registers, as vectors of VW floats: with AVX-512, 12 rows of two zmm
@@ -107,16 +108,7 @@ void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, co
      * act [ip][nr] (both transposed), y [nr][hp] */
     float *xs = scratch, *act = xs + pairs * hidden, *y = act + pairs * ip;
 
-    memset(start, 0, sizeof(int64_t) * (num_experts + 1));
-    for (int64_t p = 0; p < pairs; p++) start[ids[p] + 1]++;
-    for (int64_t e = 0; e < num_experts; e++) start[e + 1] += start[e];
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t s = start[ids[p]]++;
-        slot[p] = s;
-        token[s] = p / top_k;
-    }
-    for (int64_t e = num_experts; e > 0; e--) start[e] = start[e - 1]; /* the ++ above moved each start */
-    start[0] = 0;
+    moe_sort_pairs(ids, pairs, top_k, num_experts, slot, token, start);
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
@@ -165,15 +157,6 @@ void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, co
         }
 
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++) {
-            float *o = out + t * hidden;
-            for (int64_t c = 0; c < hidden; c++) o[c] = 0.0f;
-            for (int64_t j = 0; j < top_k; j++) {
-                const float wt = weights[t * top_k + j];
-                const float *yr = y + slot[t * top_k + j] * hp;
-#pragma omp simd
-                for (int64_t c = 0; c < hidden; c++) o[c] += wt * yr[c];
-            }
-        }
+        for (int64_t t = 0; t < n; t++) moe_sum_token(out, weights, slot, y, hp, top_k, hidden, t);
     }
 }

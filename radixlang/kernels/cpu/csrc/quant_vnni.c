@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_pairs.h"
 #include "vec.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -583,21 +584,12 @@ int rl_quant_moe_i8(const float *x, const int64_t *ids, const float *weights, in
     const int64_t pairs = n * top_k;
     int64_t *slot = index, *token = index + pairs, *start = token + pairs;
     float *xs = scratch, *h = xs + pairs * hidden, *act = h + pairs * 2 * inter, *y = act + pairs * inter;
-    memset(start, 0, sizeof(int64_t) * (num_experts + 1));
-    for (int64_t p = 0; p < pairs; p++) start[ids[p] + 1]++;
+    moe_sort_pairs(ids, pairs, top_k, num_experts, slot, token, start);
     int64_t active = 0;
     for (int64_t e = 0; e < num_experts; e++) {
-        if (start[e + 1] > max_rows) return 1;
-        active += start[e + 1] > 0;
-        start[e + 1] += start[e];
+        if (start[e + 1] - start[e] > max_rows) return 1;
+        active += start[e + 1] > start[e];
     }
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t s = start[ids[p]]++;
-        slot[p] = s;
-        token[s] = p / top_k;
-    }
-    for (int64_t e = num_experts; e > 0; e--) start[e] = start[e - 1]; /* the ++ above moved each start */
-    start[0] = 0;
     for (int64_t s = 0; s < pairs; s++) memcpy(xs + s * hidden, x + token[s] * hidden, sizeof(float) * hidden);
 
     int failed = 0;
@@ -612,14 +604,6 @@ int rl_quant_moe_i8(const float *x, const int64_t *ids, const float *weights, in
     }
     if (failed) return -1;
 
-    for (int64_t t = 0; t < n; t++) {
-        float *o = out + t * hidden;
-        for (int64_t c = 0; c < hidden; c++) o[c] = 0.0f;
-        for (int64_t j = 0; j < top_k; j++) {
-            const float wt = weights[t * top_k + j];
-            const float *yr = y + slot[t * top_k + j] * hidden;
-            for (int64_t c = 0; c < hidden; c++) o[c] += wt * yr[c];
-        }
-    }
+    for (int64_t t = 0; t < n; t++) moe_sum_token(out, weights, slot, y, hidden, top_k, hidden, t);
     return 0;
 }
