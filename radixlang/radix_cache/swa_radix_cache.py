@@ -119,15 +119,22 @@ class SWARadixCache(RadixCache):
             n.swa_lock_ref += 1
         return delta
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def dec_lock_ref(self, node: TreeNode, *, window: bool = True) -> int:
+        """Drop a lock on node; ``window=False``: one whose window part ``release_window`` dropped already."""
+        if window:
+            self.release_window(node)
+        return super().dec_lock_ref(node)
+
+    def release_window(self, node: TreeNode) -> None:
+        """Drop the window part of a lock on node, keeping its full part (a request whose queries no longer
+        see the path's last ``window - 1`` tokens): their window KV becomes evictable again."""
         for n in self._window_span(node, split=False):
             if n.swa_lock_ref < 1:
-                raise RuntimeError("unbalanced dec_lock_ref of a window lock")
+                raise RuntimeError("unbalanced release of a window lock")
             n.swa_lock_ref -= 1
             if n.swa_lock_ref == 0 and not n.swa_tombstone:
                 self._swa_evictable += len(n.key)
                 self._swa_protected -= len(n.key)
-        return super().dec_lock_ref(node)
 
     def _window_span(self, node: TreeNode, *, split: bool) -> list[TreeNode]:
         """The nodes that hold the last ``window - 1`` tokens of node's path, bottom up. With ``split`` the

@@ -92,9 +92,10 @@ def test_alone_after_a_tombstoned_prefix_and_batched_match_transformers(family, 
         assert mem["kv_free_tokens"] == mem["kv_total_tokens"] and mem["swa_free_tokens"] == mem["swa_total_tokens"]
 
 
-def _run_one(sched: Scheduler, prompt: list[int], new: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+def _run_one(sched: Scheduler, prompt: list[int],
+             new: int) -> tuple[list[int], list[tuple[int, int, int, int, int | None]]]:
     """Step the request to its end: its output ids and, after each step, (kv_len, its own tokens, own
-    tokens with window KV)."""
+    tokens with window KV, its tree prefix, the tree's window-locked tokens (None without a tree))."""
     sched.add_request(TokenizedGenerateReq(rid="r", input_ids=prompt,
                                            sampling_params={"temperature": 0.0, "max_new_tokens": new,
                                                             "ignore_eos": True}))
@@ -105,7 +106,9 @@ def _run_one(sched: Scheduler, prompt: list[int], new: int) -> tuple[list[int], 
         for req in sched.running:
             row = sched.req_to_token_pool.req_to_token[req.req_pool_idx]
             own = int(req.prefix_indices.numel())
-            seen.append((req.kv_len, req.kv_len - own, int(pool.has_swa(row[own:req.kv_len]).sum())))
+            tree = getattr(sched.cache, "swa_tree", None)
+            seen.append((req.kv_len, req.kv_len - own, int(pool.has_swa(row[own:req.kv_len]).sum()), own,
+                         None if tree is None else tree.swa_protected_size()))
             output = req.output_ids
     return output, seen
 
@@ -121,11 +124,14 @@ def test_window_kv_held_is_bounded_by_the_window_and_every_slot_comes_back(famil
     output, seen = _run_one(sched, PROMPT[:12], 20 * W)
     assert len(seen) > 15 * W
     assert output == _hf_greedy(hf, PROMPT[:12], 20 * W), name
-    for kv_len, own, held in seen:
+    for kv_len, own, held, prefix, locked in seen:
         # the next query (position kv_len) sees kv_len - W + 1 .. kv_len: exactly W - 1 of the pool's tokens
         assert held == min(own, W - 1), (kv_len, own, held)
-    if radix:  # the prompt is the tree's: its last W - 1 tokens stay locked, the rest is evictable
+        if radix:  # the prefix's last W - 1 tokens stay window-locked while the next query can see them
+            assert locked == (min(prefix, W - 1) if kv_len - W + 1 < prefix else 0), (kv_len, prefix, locked)
+    if radix:  # the prompt is the tree's; the request's lock let go of its window once decoding passed it
         assert isinstance(sched.cache, SWATreeReqCache)
+        assert any(locked for *_, locked in seen) and seen[-1][-1] == 0
         assert sched.cache.swa_tree.swa_protected_size() == 0  # unlocked at the end
     assert sched.flush_cache().success
     assert (pool.available_size(), pool.swa_available_size()) == (full0, swa0)

@@ -113,6 +113,24 @@ def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_
     assert tree.swa_protected_size() == 0 and tree.protected_size() == 0
 
 
+def test_release_window_keeps_the_full_lock_and_lets_the_window_go():
+    tree, swa = SWARadixCache(W), SwaSlots()
+    swa.live.update(range(10, 20))
+    tree.insert(list(range(10)), _t(list(range(10, 20))))
+    node = tree.match_prefix(list(range(10))).last_node
+    tree.inc_lock_ref(node)
+    tree.release_window(node)
+    tree.check_integrity()
+    assert tree.protected_size() == 10 and tree.swa_protected_size() == 0
+    assert tree.evict_swa(100, swa.free_swa, swa.free) == 10  # the whole path tombstoned
+    assert not swa.live and tree.evict(100, swa.free) == 0  # its full KV stays locked
+    with pytest.raises(RuntimeError, match="unbalanced"):
+        tree.release_window(node)
+    tree.dec_lock_ref(node, window=False)
+    tree.check_integrity()
+    assert tree.protected_size() == 0 and tree.evict(100, swa.free) == 10
+
+
 def test_evict_swa_drops_an_unlocked_leaf_whole_with_the_bare_tombstones_above_it():
     tree, swa = SWARadixCache(W), SwaSlots()
     freed_full: list[int] = []
@@ -141,7 +159,7 @@ def test_evict_frees_leaves_whole_tombstoned_or_not():
     assert not swa.live and tree.total_size() == 0 and tree.swa_evictable_size() == 0
 
 
-ops = st.lists(st.tuples(st.sampled_from(["insert", "lock", "evict_swa", "evict"]),
+ops = st.lists(st.tuples(st.sampled_from(["insert", "lock", "release", "evict_swa", "evict"]),
                          st.lists(st.integers(0, 2), min_size=1, max_size=10), st.integers(0, 10)),
                max_size=30)
 
@@ -151,7 +169,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "lock", "evict_swa", "evict"
 def test_against_oracle(ops):
     tree, swa = SWARadixCache(W), SwaSlots()
     next_slot = 1
-    locked = []
+    locked: list[list] = []  # [node, window part released]
     for op, key, arg in ops:
         if op == "insert":
             n = len(key)
@@ -164,12 +182,19 @@ def test_against_oracle(ops):
         elif op == "lock":
             node = tree.match_prefix(key).last_node
             tree.inc_lock_ref(node)
-            locked.append(node)
+            locked.append([node, False])
+        elif op == "release":  # a request whose queries moved past its prefix's window
+            held = [lock for lock in locked if not lock[1]]
+            if held:
+                lock = held[arg % len(held)]
+                tree.release_window(lock[0])
+                lock[1] = True
         elif op == "evict_swa":
             tree.evict_swa(arg, swa.free_swa, swa.free)
         else:
             if locked and arg % 2:
-                tree.dec_lock_ref(locked.pop(arg % len(locked)))
+                node, released = locked.pop(arg % len(locked))
+                tree.dec_lock_ref(node, window=not released)
             tree.evict(arg, swa.free)
         tree.check_integrity()
         # the oracle: every usable match keeps window KV for its last window - 1 tokens, and is the longest
@@ -177,8 +202,8 @@ def test_against_oracle(ops):
         got = tree.match_prefix(key).kv_indices.tolist()
         assert got == full[:_usable(full, swa.live, W)]
         assert tree.swa_evictable_size() + tree.swa_protected_size() == len(swa.live)
-    for node in locked:
-        tree.dec_lock_ref(node)
+    for node, released in locked:
+        tree.dec_lock_ref(node, window=not released)
     tree.check_integrity()
     assert tree.swa_protected_size() == 0 and tree.protected_size() == 0
 

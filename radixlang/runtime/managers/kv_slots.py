@@ -31,7 +31,7 @@ class KVSlots:
         if slots is None:
             return False
         req.req_pool_idx = slots[0]
-        req.swa_freed_len = 0
+        req.swa_freed_len, req.swa_window_released = 0, False
         limit = req.seq_len - 1  # always compute at least one token: its logits are needed
         if req.return_logprob:
             limit = min(limit, req.input_logprob_start)
@@ -50,7 +50,7 @@ class KVSlots:
         """Take back an admission that reserved nothing (the request stays in the queue)."""
         if req.req_pool_idx is None or req.kv_len != int(req.prefix_indices.numel()):
             return  # not admitted, or it has computed tokens of its own: keep them
-        self.cache.unlock(req.last_node)
+        self.cache.unlock(req)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.kv_len = None, None, 0
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -115,5 +115,5 @@ class KVSlots:
             return
         if keep:
             self.cache.cache_unfinished(req)
-        self.cache.unlock(req.last_node)
+        self.cache.unlock(req)
         self.cache.release(req)

@@ -31,6 +31,7 @@ class Req:
     last_node: Any = None  # radix node locked for this request
     kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
     swa_freed_len: int = 0  # own tokens before this lost their window-layer KV (mem_cache/swa_req_cache.py)
+    swa_window_released: bool = False  # its prefix lock no longer holds window KV (mem_cache/swa_req_cache.py)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
     cache_namespace: tuple | None = None  # the radix-tree namespace its KV is shared in (CachedReq)
     # output state

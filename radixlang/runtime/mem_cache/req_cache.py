@@ -25,6 +25,7 @@ class CachedReq(Protocol):
     # same tokens live apart (a prompt rotated by its length: models/layers/rotary.py rope_length_key)
     cache_namespace: Hashable | None
     swa_freed_len: int  # its own tokens before this lost their window KV (swa pools: swa_req_cache.py)
+    swa_window_released: bool  # its lock no longer holds the window KV of last_node's path (swa pools)
 
     @property
     def fill_ids(self) -> list[int]: ...
@@ -36,7 +37,8 @@ class CachedReq(Protocol):
 class ReqCache(Protocol):
     """KV bookkeeping between the scheduler and the prefix cache (if any).
 
-    ``match`` returns the cached prefix's KV slots and the node to ``lock``; ``cache_unfinished``
+    ``match`` returns the cached prefix's KV slots and the node to ``lock`` (``unlock(req)`` drops the lock on
+    ``req.last_node``); ``cache_unfinished``
     hands a request's computed tokens to the cache (re-pointing its row at shared slots);
     ``release`` frees what the request still owns and its pool slot; ``evict`` frees up to
     ``num_tokens`` unlocked cached slots and returns how many it freed. ``room`` is how many tokens could
@@ -49,7 +51,7 @@ class ReqCache(Protocol):
     def should_defer(self, req: CachedReq, batch: Sequence[CachedReq]) -> bool: ...
     def dfs_weight_order(self, waiting: list) -> list: ...
     def lock(self, node: Any) -> None: ...
-    def unlock(self, node: Any) -> None: ...
+    def unlock(self, req: CachedReq) -> None: ...
     def cache_unfinished(self, req: CachedReq) -> None: ...
     def release(self, req: CachedReq) -> None: ...
     def evict(self, num_tokens: int) -> int: ...
@@ -85,7 +87,7 @@ class NoReqCache:
     def lock(self, node: object) -> None:
         pass
 
-    def unlock(self, node: object) -> None:
+    def unlock(self, req: CachedReq) -> None:
         pass
 
     def cache_unfinished(self, req: CachedReq) -> None:

@@ -4,8 +4,10 @@ A query at position i sees window keys i - window + 1 .. i (window: the pool's l
 with ``kv_len`` tokens in the pool asks its next queries from position kv_len on, so after each step
 ``trim_window`` frees the window KV of its own tokens before kv_len - window + 1 (``swa_freed_len`` marks
 how far); tokens the prefix tree holds lose theirs only through the tree (``SWARadixCache.evict_swa``),
-which keeps, under each request's lock, the last window - 1 tokens of the prefix it runs on. A token
-without window KV keeps its full-attention KV until its full slot is freed.
+which keeps, under each request's lock, the last window - 1 tokens of the prefix it runs on until the
+request's next queries no longer see them: ``trim_window`` then drops the window part of the lock
+(``swa_window_released``), and the full part stays until the request unlocks. A token without window KV
+keeps its full-attention KV until its full slot is freed.
 
 Room is counted in both slot spaces: a token to compute needs one slot of each.
 """
@@ -63,9 +65,22 @@ class SWATreeReqCache(TreeReqCache):
         return self.swa_tree.match_through_tombstones(tokens, req.cache_namespace)
 
     def trim_window(self, req: CachedReq) -> None:
-        if req.req_pool_idx is not None:
-            _trim(req, self.swa_pool, self.req_to_token_pool.req_to_token[req.req_pool_idx],
-                  int(req.prefix_indices.numel()))
+        if req.req_pool_idx is None:
+            return
+        prefix = int(req.prefix_indices.numel())
+        _trim(req, self.swa_pool, self.req_to_token_pool.req_to_token[req.req_pool_idx], prefix)
+        if (req.last_node is not None and not req.swa_window_released
+                and req.kv_len - self.swa_pool.window + 1 >= prefix):  # its next queries see none of the prefix
+            self.swa_tree.release_window(req.last_node)
+            req.swa_window_released = True
+
+    def unlock(self, req: CachedReq) -> None:
+        if req.last_node is not None:
+            self.swa_tree.dec_lock_ref(req.last_node, window=not req.swa_window_released)
+
+    def cache_unfinished(self, req: CachedReq) -> None:
+        super().cache_unfinished(req)  # unlocks the old node as it was held, locks the new one whole
+        req.swa_window_released = False
 
     def room(self) -> int:
         return min(self.swa_pool.available_size() + self.tree.evictable_size(),

@@ -73,9 +73,9 @@ class TreeReqCache:
         if node is not None:
             self.tree.inc_lock_ref(node)
 
-    def unlock(self, node: TreeNode | None) -> None:
-        if node is not None:
-            self.tree.dec_lock_ref(node)
+    def unlock(self, req: CachedReq) -> None:
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
 
     def cache_unfinished(self, req: CachedReq) -> None:
         """Insert the request's computed tokens; it keeps running on the tree's copy."""
@@ -91,7 +91,7 @@ class TreeReqCache:
         n = int(new_kv.numel())
         row[own_start:n] = new_kv[own_start:].to(torch.int32)
         self.tree.inc_lock_ref(new_node)
-        self.unlock(req.last_node)
+        self.unlock(req)
         req.prefix_indices, req.last_node = new_kv, new_node
 
     def _insert(self, req: CachedReq, tokens: list[int], kv: torch.Tensor) -> int:
