@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlang.radix_cache import SWARadixCache
+from radixlang.radix_cache import SWARadixCache, TreeNode
 
 W = 3  # window: a usable prefix needs window KV for its last 2 tokens
 
@@ -93,12 +93,18 @@ def test_revive_keeps_tokens_before_swa_from_tombstoned():
     assert tree.match_prefix(list(range(5)) + [99]).kv_indices.numel() == 0  # sees 3, a tombstone
 
 
-def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_rest():
+def _locked_path() -> tuple[SWARadixCache, SwaSlots, TreeNode]:
+    """A tree holding one 10-token path (slots 10-19, all with window KV), locked at its end."""
     tree, swa = SWARadixCache(W), SwaSlots()
     swa.live.update(range(10, 20))
     tree.insert(list(range(10)), _t(list(range(10, 20))))
     node = tree.match_prefix(list(range(10))).last_node
     tree.inc_lock_ref(node)
+    return tree, swa, node
+
+
+def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_rest():
+    tree, swa, node = _locked_path()
     tree.check_integrity()
     assert tree.protected_size() == 10 and tree.swa_protected_size() == W - 1
     assert tree.evict_swa(100, swa.free_swa, swa.free) == 10 - (W - 1)
@@ -114,11 +120,7 @@ def test_window_lock_protects_only_the_last_window_and_evict_swa_tombstones_the_
 
 
 def test_release_window_keeps_the_full_lock_and_lets_the_window_go():
-    tree, swa = SWARadixCache(W), SwaSlots()
-    swa.live.update(range(10, 20))
-    tree.insert(list(range(10)), _t(list(range(10, 20))))
-    node = tree.match_prefix(list(range(10))).last_node
-    tree.inc_lock_ref(node)
+    tree, swa, node = _locked_path()
     tree.release_window(node)
     tree.check_integrity()
     assert tree.protected_size() == 10 and tree.swa_protected_size() == 0
