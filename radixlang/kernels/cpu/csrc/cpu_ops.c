@@ -95,14 +95,8 @@ void rl_rope(float *x, int64_t row_stride, int64_t n, int64_t heads, int64_t d, 
 void rl_silu_mul(const float *gu, float *out, int64_t n, int64_t inter, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * inter >= PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
-        const float *g = gu + i * 2 * inter, *u = g + inter;
-        float *o = out + i * inter;
-        int64_t j = 0;
-        for (; j + 16 <= inter; j += 16) {  /* silu(g) = g / (1 + exp(-g)) */
-            const v16f gv = load16(g + j);
-            store16(o + j, gv / (1.0f + rl_exp16(-gv)) * load16(u + j));
-        }
-        for (; j < inter; j++) o[j] = g[j] / (1.0f + rl_exp(-g[j])) * u[j];
+        const float *gate = gu + i * 2 * inter;
+        silu_mul_row(gate, gate + inter, out + i * inter, inter);
     }
 }
 

@@ -137,8 +137,7 @@ void rl_moe_experts(const float *x, const int64_t *ids, const float *weights, co
                 panel_rows(panel, xs + (start[e] + r0) * hidden, hidden, nr, sums, 32);
                 float *dst = act + (start[e] + r0) * ip + b * 16 * nr;
                 for (int r = 0; r < nr; r++) {
-                    const v16f gate = load16(sums + r * 32), up = load16(sums + r * 32 + 16);
-                    const v16f a = gate / (1.0f + rl_exp16(-gate)) * up;
+                    const v16f a = silu_mul16(load16(sums + r * 32), load16(sums + r * 32 + 16));
                     for (int f = 0; f < 16; f++) dst[f * nr + r] = a[f];
                 }
             }

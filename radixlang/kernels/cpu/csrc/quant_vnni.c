@@ -565,14 +565,8 @@ static int run_expert(const float *xs, int64_t rows, int64_t hidden, int64_t int
                       float *y, int passes, int nthreads) {
     if (expert_linear(layout13, group13, w13, xs, rows, hidden, h, 2 * inter, passes, nthreads)) return -1;
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = h + r * 2 * inter, *u = g + inter;
-        float *a = act + r * inter;
-        int64_t c = 0;
-        for (; c + 16 <= inter; c += 16) {
-            const v16f gv = load16(g + c);
-            store16(a + c, gv / (1.0f + rl_exp16(-gv)) * load16(u + c));
-        }
-        for (; c < inter; c++) a[c] = g[c] / (1.0f + rl_exp(-g[c])) * u[c];
+        const float *gate = h + r * 2 * inter;
+        silu_mul_row(gate, gate + inter, act + r * inter, inter);
     }
     return expert_linear(layout2, group2, w2, act, rows, inter, y, hidden, passes, nthreads);
 }

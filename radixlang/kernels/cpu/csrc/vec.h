@@ -75,4 +75,14 @@ static inline float rl_exp(float x) {
     return rl_exp16(v)[0];
 }
 
+/* SwiGLU's activation silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes at a time */
+static inline v16f silu_mul16(v16f g, v16f u) { return g / (1.0f + rl_exp16(-g)) * u; }
+
+/* o[j] = silu(g[j]) * u[j] for j < n */
+static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) store16(o + j, silu_mul16(load16(g + j), load16(u + j)));
+    for (; j < n; j++) o[j] = g[j] / (1.0f + rl_exp(-g[j])) * u[j];
+}
+
 #endif
