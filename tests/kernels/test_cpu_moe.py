@@ -93,6 +93,13 @@ def test_moe_experts_in_token_chunks_match_one_call(monkeypatch):
     assert torch.equal(cpu.moe_experts(x, weights, ids, packed), whole)
 
 
+def test_moe_experts_of_no_tokens():
+    _, _, _, w13, w2 = _case(1, 2, 4, 32, 32)
+    out = cpu.moe_experts(torch.zeros(0, 32), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64),
+                          cpu.moe_pack(w13, w2))
+    assert out.shape == (0, 32)
+
+
 def test_moe_pack_lays_out_the_panels():
     """p13's panel b holds gate then up features 16 b .. 16 b + 15 per input feature (zeros past inter);
     p2's panel b the down features 32 b .. 32 b + 31 (zeros past hidden)."""

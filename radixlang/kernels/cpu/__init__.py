@@ -175,6 +175,11 @@ class PackedExperts:
     hidden: int
     inter: int
 
+    @property
+    def scratch_per_pair(self) -> int:
+        """csrc/moe.c's scratch floats per (token, choice) pair: its rows of x, act and y (padded widths)."""
+        return self.hidden + self.p13.shape[1] * 16 + self.p2.shape[1] * 32
+
 
 def moe_pack(w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]) -> PackedExperts:
     """Each expert's float32 w13 [2 * inter, hidden] (gate rows, then up rows) and w2 [hidden, inter] (a
@@ -225,10 +230,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packe
             raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [{n}, k] "
                              f"(ids contiguous)")
         _indices("ids", ids.view(-1), ids.numel(), packed.num_experts)
-    ip, hp = -(-packed.inter // 16) * 16, -(-hidden // 32) * 32
-    chunk = min(n, max(1, MOE_SCRATCH_FLOATS // max(1, k * (hidden + ip + hp))))
+    chunk = max(1, min(n, MOE_SCRATCH_FLOATS // max(1, k * packed.scratch_per_pair)))
     out = torch.empty(n, hidden)
-    scratch = torch.empty(chunk * k * (hidden + ip + hp))  # one allocation for every chunk
+    scratch = torch.empty(chunk * k * packed.scratch_per_pair)  # one allocation for every chunk
     index = torch.empty(2 * chunk * k + packed.num_experts + 1, dtype=torch.int64)
     lib, threads = _load(), torch.get_num_threads()
     for t0 in range(0, n, chunk):

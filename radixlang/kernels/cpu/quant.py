@@ -280,7 +280,8 @@ class QuantMoE:
     weighted sum in C and every expert on the int8-activation kernels, in one call. ``build`` gives None where
     that kernel does not take these weights here (no VNNI, the experts' layouts or groups differ)."""
 
-    def __init__(self, w13: list[QuantWeight], w2: list[QuantWeight]) -> None:
+    def __init__(self, lib: ctypes.CDLL, w13: list[QuantWeight], w2: list[QuantWeight]) -> None:
+        self.lib = lib  # the int8-activation library
         self.w13, self.w2 = w13, w2  # held: the tables below point into their tensors
         self.hidden, self.inter = w2[0].out_features, w2[0].in_features
         self.max_rows = min(int8_max_rows(w13[0]), int8_max_rows(w2[0]))
@@ -289,9 +290,10 @@ class QuantMoE:
     @classmethod
     def build(cls, w13: list[QuantWeight], w2: list[QuantWeight]) -> QuantMoE | None:
         same = all((w.layout, w.group) == (ws[0].layout, ws[0].group) for ws in (w13, w2) for w in ws)
-        if not same or not int8_fits(w13[0]) or not int8_fits(w2[0]):
+        lib = _vnni_library()
+        if lib is None or not same or not int8_fits(w13[0]) or not int8_fits(w2[0]):
             return None
-        return cls(w13, w2)
+        return cls(lib, w13, w2)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """sum_j weights[:, j] * expert_{ids[:, j]}(x) for x [n, hidden] float32, weights [n, k] float32, ids
@@ -299,14 +301,12 @@ class QuantMoE:
         holds more than ``max_rows`` rows: the caller's per-expert path runs those (the float32 kernels)."""
         n, k = ids.shape
         pairs = n * k
-        vl = _vnni_library()
-        assert vl is not None  # build() saw int8_fits
         x, weights, ids = x.contiguous(), weights.float().contiguous(), ids.contiguous()
         out = torch.empty(n, self.hidden)
         scratch = torch.empty(pairs * (2 * self.hidden + 3 * self.inter))
         index = torch.empty(2 * pairs + len(self.w13) + 1, dtype=torch.int64)
         w13, w2 = self.w13[0], self.w2[0]
-        rc = vl.rl_quant_moe_i8(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n, k, self.hidden, self.inter,
+        rc = self.lib.rl_quant_moe_i8(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n, k, self.hidden, self.inter,
                                 len(self.w13), LAYOUTS.index(w13.layout), w13.group, self.table13.data_ptr(),
                                 LAYOUTS.index(w2.layout), w2.group, self.table2.data_ptr(), self.max_rows,
                                 ACTIVATIONS[DEFAULT_ACTIVATIONS], scratch.data_ptr(), index.data_ptr(),

@@ -59,9 +59,10 @@ class QuantExperts(nn.Module):
                 reduce: bool = True) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> [n, hidden] in x's dtype (summed over the tp ranks;
         ``reduce=False``: this rank's term, the caller sums)."""
-        out = self.kernel(x.float(), weights, ids) if self.kernel is not None else None
+        xf = x.float()
+        out = self.kernel(xf, weights, ids) if self.kernel is not None else None
         if out is None:  # an expert of more rows than the int8 kernels take (a prefill), or no such kernel
-            out = dispatch(x.float(), weights, ids, self.num_experts, self._expert)
+            out = dispatch(xf, weights, ids, self.num_experts, self._expert)
         out = out.to(x.dtype)
         return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 

@@ -123,16 +123,13 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._fused(x) if self.fused else self.down_proj(self._hidden(x))
-
-    def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The compiled-kernel MLP (the sliced path of a long prefill calls it once a slice)."""
         return self.down_proj(self._hidden(x))
 
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output, not yet summed over the tensor-parallel ranks (a MoE layer sums
         it with its experts' in one all-reduce); without tensor parallelism, the output."""
         down = self.down_proj
+        # a row-parallel linear, float or quantized (gguf_quant), has one; a whole linear's output is the term
         return down.partial_sum(self._hidden(x)) if hasattr(down, "partial_sum") else down(self._hidden(x))
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
