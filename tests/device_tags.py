@@ -6,8 +6,9 @@ every result of an op on tagged tensors. An op that mixes a tagged tensor with a
 raises ``DeviceMixError``, as CUDA would. ``.device`` of a tagged tensor reports ``cuda:0``, so
 code that builds tensors ``device=x.device`` gets tagged tensors too. Excepted, as on CUDA:
 0-dim tensors (scalars), ``copy_`` / ``.to`` across devices, and ``.cpu()`` (which untags).
-``num_syncs`` counts the reads of device values on the host (``.tolist()``, ``.item()``, ``.cpu()``...):
-each is a device-to-host sync on a real GPU.
+``num_syncs`` counts the reads of device values on the host (``.tolist()``, ``.item()``, ``.cpu()``...),
+and the ops whose output size CUDA must read back (``bincount``, ``nonzero``, boolean-mask indexing...):
+each is a device-to-host sync on a real GPU, and fails a CUDA graph capture.
 
 Tags follow the storage, so views and ``nn.Parameter`` wrappers of a tagged tensor stay tagged.
 The mode keeps every tagged tensor alive until it exits, so a freed storage's address is never
@@ -28,6 +29,12 @@ _CROSS_DEVICE_OK = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu, torch
 
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
                torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+# ops whose output size depends on the values, so CUDA reads them back before allocating the output:
+# bincount (its largest id), nonzero, unique, masked_select, repeat_interleave by a tensor without output_size
+_SIZE_FROM_VALUES = {torch.bincount, torch.Tensor.bincount, torch.nonzero, torch.Tensor.nonzero, torch.argwhere,
+                     torch.Tensor.argwhere, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
+                     torch.Tensor.unique_consecutive, torch.masked_select, torch.Tensor.masked_select}
+_REPEATS = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
 
 
 class DeviceMixError(RuntimeError):
@@ -100,6 +107,8 @@ class FakeDeviceMode(TorchFunctionMode):
         kwargs.pop("pin_memory", None)
         if func in _HOST_READS and args and isinstance(args[0], torch.Tensor) and self.is_tagged(args[0]):
             self.num_syncs += 1
+        if _sizes_from_values(func, args, kwargs) and self.is_tagged(args[0]):
+            self.num_syncs += 1
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.cuda:
@@ -166,6 +175,22 @@ class FakeDeviceMode(TorchFunctionMode):
         if tagged:
             self._tag(out)
         return out
+
+
+def _sizes_from_values(func, args, kwargs) -> bool:
+    """Whether this call sizes its output from its first tensor's values (a sync on CUDA)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    if func in _SIZE_FROM_VALUES:
+        return True
+    if func in _REPEATS:  # by a tensor of repeats, unless the caller gives output_size
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        by_tensor = isinstance(repeats, torch.Tensor) and repeats.dim() > 0 or repeats is None
+        return by_tensor and kwargs.get("output_size") is None
+    if func is torch.Tensor.__getitem__:  # a boolean mask index
+        keys, _ = tree_flatten(args[1])
+        return any(isinstance(k, torch.Tensor) and k.dtype == torch.bool and k.dim() > 0 for k in keys)
+    return False
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -116,3 +116,56 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         create_attention_backend("triton", num_heads=4, num_kv_heads=2, head_dim=16, device="cpu",
                                  dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name,capability,want", [
+    ("auto", (9, 0), ("fa3", "fa2", "fa2")),  # Hopper: ragged on fa3, the paged prefix (cache hits) on fa2
+    ("auto", (8, 0), ("fa2", "fa2", "fa2")), ("auto", (10, 0), ("fa2", "fa2", "fa2")),
+    ("fa2", (9, 0), ("fa2", "fa2", "fa2")), ("fa3", (9, 0), ("fa3", "fa3", "fa2"))])
+def test_flashinfer_kernels_per_wrapper(name, capability, want):
+    from radixlang.kernels.attention.flashinfer_backend import pick_wrapper_backends
+    assert tuple(pick_wrapper_backends(name, capability)) == want
+    with pytest.raises(ValueError, match="fa4"):
+        pick_wrapper_backends("fa4", capability)
+
+
+def test_flashinfer_backend_builds_each_wrapper_on_its_kernels(monkeypatch):
+    # a stand-in flashinfer records the backend each wrapper is built with, on an emulated Hopper
+    import types
+
+    built: dict[str, str] = {}
+
+    def wrapper(kind: str):
+        def make(workspace, layout, backend="auto", **kw):
+            built[kind] = backend
+            return types.SimpleNamespace()
+        return make
+
+    fake = types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=wrapper("ragged"),
+                                 BatchPrefillWithPagedKVCacheWrapper=wrapper("paged_prefix"),
+                                 BatchDecodeWithPagedKVCacheWrapper=wrapper("decode"))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    create_attention_backend("flashinfer", num_heads=8, num_kv_heads=2, head_dim=64, device="cpu",
+                             dtype=torch.bfloat16, workspace_bytes=1024)
+    assert built == {"ragged": "fa3", "paged_prefix": "fa2", "decode": "fa2"}
+
+
+def test_triton_kernels_multiply_float32_in_ieee_not_tf32():
+    # tl.dot on float32 defaults to TF32 on NVIDIA GPUs: a float32 model on triton would silently lose
+    # precision. Every tl.dot of the kernels takes the precision dot_precision picks from the input dtype.
+    import ast
+    from pathlib import Path
+
+    from radixlang.kernels import triton_ops
+    from radixlang.kernels.triton_ops.precision import dot_precision
+
+    assert dot_precision(torch.float32) == "ieee"
+    assert dot_precision(torch.float16) is dot_precision(torch.bfloat16) is None  # the target's default
+    dots = 0
+    for path in sorted(Path(triton_ops.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.dot":
+                dots += 1
+                assert "input_precision" in {kw.arg for kw in node.keywords}, f"{path.name}:{node.lineno}"
+    assert dots >= 5  # decode (2), extend (2), fused MoE (1)

@@ -121,6 +121,12 @@ CASES = {
                                    extend_lens=[1, 1], backend_kwargs={"max_kv_splits": 8, "min_split_len": 4}),
     "decode_head_dim_48": dict(mode="decode", heads=4, kv_heads=1, head_dim=48, prefix_lens=[3, 17],
                                extend_lens=[1, 1], backend_kwargs={"max_kv_splits": 3, "min_split_len": 8}),
+    # the grouped decode kernel: 8 query heads a KV head in one program; 20 (more than its 16 rows) in two
+    "decode_gqa8": dict(mode="decode", heads=16, kv_heads=2, head_dim=32, prefix_lens=[6, 45],
+                        extend_lens=[1, 1], backend_kwargs={"max_kv_splits": 4, "min_split_len": 8}),
+    "decode_gqa20_two_head_blocks": dict(mode="decode", heads=40, kv_heads=2, head_dim=16, prefix_lens=[0, 21, 4],
+                                         extend_lens=[1, 1, 1], backend_kwargs={"max_kv_splits": 2,
+                                                                                "min_split_len": 8}),
 }
 
 _SCRIPT = """
@@ -130,6 +136,19 @@ spec = importlib.util.spec_from_file_location("attn_cases", {path!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 results = {{name: mod.attention_case("triton", **case) for name, case in mod.CASES.items()}}
+from radixlang.kernels.triton_ops import decode_attention
+grids = []
+class Recorded:  # the decode stage-1 kernel's launch grids
+    def __init__(self, kernel):
+        self.kernel = kernel
+    def __getitem__(self, grid):
+        grids.append(list(grid))
+        return self.kernel[grid]
+decode_attention._decode_split_kernel = Recorded(decode_attention._decode_split_kernel)
+for name in ("decode_gqa8", "decode_gqa20_two_head_blocks"):
+    grids.clear()
+    mod.attention_case("triton", **mod.CASES[name])
+    results[name + "_grids"] = list(grids)
 sys.path.insert(0, {tests!r})
 from tiny_model import make_tiny_model_dir
 import tempfile
@@ -155,6 +174,13 @@ def test_triton_interpreted_matches_torch(interpreted_results, name):
     assert res["finite"]
     assert res["kv_written_equal"]
     assert res["max_err"] < 1e-4, res
+
+
+def test_decode_runs_one_program_per_kv_head_and_split(interpreted_results):
+    # grouped decode: the 8 query heads of each of 2 KV heads share a program (which reads the KV once for
+    # all of them), not one program per query head; 20 query heads a KV head take two programs of 16 rows
+    assert interpreted_results["decode_gqa8_grids"] == [[2, 2, 4]] * 2  # (requests, kv heads, splits), 2 layers
+    assert interpreted_results["decode_gqa20_two_head_blocks_grids"] == [[3, 4, 2]] * 2
 
 
 def test_engine_with_triton_backend_matches_torch(interpreted_results):

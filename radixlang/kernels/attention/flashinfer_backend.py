@@ -5,7 +5,8 @@ EXTEND: the new tokens attend to each other causally through
 tensors) and to the cached prefix through ``BatchPrefillWithPagedKVCacheWrapper``
 (non-causal: every prefix token precedes every new one); the two partial
 results are combined with ``flashinfer.merge_state``. A step where no request
-has a prefix runs only the ragged kernel. DECODE: ``BatchDecodeWithPagedKVCacheWrapper``.
+has a prefix runs only the ragged kernel. DECODE: ``BatchDecodeWithPagedKVCacheWrapper``. By default the
+ragged wrapper runs fa3 on Hopper and the paged ones fa2 (``pick_wrapper_backends``).
 
 Every wrapper is planned once per step in ``init_forward_metadata`` from the
 metadata's host-side indptrs (no device-to-host sync) and run by every layer; all
@@ -14,6 +15,8 @@ token-granular, i.e. pages of one token in FlashInfer's NHD layout:
 ``[size + 1, num_kv_heads, head_dim]`` viewed as ``[size + 1, 1, num_kv_heads, head_dim]``.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -36,14 +39,25 @@ def import_flashinfer():
 FLASHINFER_BACKENDS = ("auto", "fa2", "fa3")
 
 
-def pick_flashinfer_backend(name: str, device: torch.device) -> str:
-    """"auto": fa3 on Hopper (sm90), fa2 elsewhere; the choice is explicit so both can be tested."""
+class WrapperBackends(NamedTuple):
+    """The FlashInfer kernel family ("fa2" / "fa3") each wrapper is built with."""
+    ragged: str  # the new tokens against each other (BatchPrefillWithRaggedKVCacheWrapper)
+    paged_prefix: str  # the new tokens against the cached prefix: the radix-cache-hit path
+    decode: str
+
+
+def pick_wrapper_backends(name: str, capability: tuple[int, int]) -> WrapperBackends:
+    """Each wrapper's kernels for ``--flashinfer-backend`` ``name`` on a GPU of compute ``capability``.
+
+    "auto" does what SGLang does: the ragged prefill on fa3 on Hopper (sm90), fa2 elsewhere; the paged
+    prefix prefill and decode on fa2 everywhere, because FlashInfer's fa3 paged prefill runs ~2.5x
+    slower than fa2 on Hopper (FlashInfer issue #2400). "fa2" / "fa3" put both prefill wrappers on that
+    family (fa3 needs sm90). Decode is always fa2."""
     if name not in FLASHINFER_BACKENDS:
         raise ValueError(f"flashinfer backend must be one of {', '.join(FLASHINFER_BACKENDS)}, got {name!r}")
     if name != "auto":
-        return name
-    major, _ = torch.cuda.get_device_capability(device)
-    return "fa3" if major == 9 else "fa2"
+        return WrapperBackends(ragged=name, paged_prefix=name, decode="fa2")
+    return WrapperBackends(ragged="fa3" if capability[0] == 9 else "fa2", paged_prefix="fa2", decode="fa2")
 
 
 def flashinfer_plan_args(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -79,9 +93,10 @@ def flashinfer_plan_args(metadata: AttentionMetadata, num_heads: int, num_kv_hea
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    """``flashinfer_backend`` picks the prefill kernels ("fa2", "fa3", or "auto": fa3 on sm90); decode runs
-    fa2's kernels. One workspace buffer is shared by every wrapper, eager and CUDA-graph ones alike:
-    a step plans and runs only one decode wrapper, and extend steps are never captured."""
+    """``flashinfer_backend`` picks the prefill kernels ("fa2", "fa3", or "auto": the ragged prefill on fa3 on
+    sm90, the paged prefix prefill on fa2; see ``pick_wrapper_backends``); decode runs fa2's kernels. One
+    workspace buffer is shared by every wrapper, eager and CUDA-graph ones alike: a step plans and runs only
+    one decode wrapper, and extend steps are never captured."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16, *,
@@ -96,14 +111,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = torch.device(device)
         self.dtype = dtype
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-        self.prefill_backend = pick_flashinfer_backend(flashinfer_backend, self.device)
+        self.backends = pick_wrapper_backends(flashinfer_backend, torch.cuda.get_device_capability(self.device))
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._use_tensor_cores = num_heads // num_kv_heads >= 4
         fi = self.flashinfer
-        self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
+        self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.backends.ragged)
         self.paged_prefix = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                   backend=self.prefill_backend)
-        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2",
+                                                                   backend=self.backends.paged_prefix)
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backends.decode,
                                                             use_tensor_cores=self._use_tensor_cores)
         self._decode_wrapper = self.decode  # the eager one, or a CUDA-graph one per batch size
         self._graph_wrappers: dict[int, object] = {}
@@ -155,7 +170,8 @@ class FlashInferAttnBackend(AttentionBackend):
         if wrapper is None:
             buf = self._graph_buffers
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores, backend="fa2",
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
+                backend=self.backends.decode,
                 paged_kv_indptr_buffer=buf["indptr"][:bs + 1], paged_kv_indices_buffer=buf["indices"],
                 paged_kv_last_page_len_buffer=buf["last_page_len"][:bs])
             self._graph_wrappers[bs] = wrapper

@@ -5,7 +5,9 @@ is token-granular (page_size 1), so kv_indices are KV slot indices.
 Metadata is built once per step in ``init_forward_metadata`` and reused by
 every layer. For CUDA graphs, ``init_cuda_graph_state`` allocates static
 metadata and scratch buffers and ``init_forward_metadata_cuda_graph`` refills
-them in place before capture and before every replay.
+them in place before capture and before every replay. Decode runs one program per (request, KV head,
+split) over all the query heads of the KV head; a float32 model's kernels multiply in IEEE float32 (tl.dot
+would default to TF32 on the GPU).
 """
 from __future__ import annotations
 

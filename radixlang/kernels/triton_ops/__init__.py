@@ -1,4 +1,5 @@
-"""Triton kernels for paged attention: split-KV decode and prefix+causal extend.
+"""Triton kernels: paged attention (split-KV decode grouped over the query heads of a KV head, and
+prefix+causal extend) and the fused-MoE grouped GEMM.
 
-Importing this package imports triton; the Triton backend imports it lazily.
+Importing these modules imports triton (``precision`` excepted); their users import them lazily.
 """

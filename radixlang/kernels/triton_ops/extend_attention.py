@@ -5,7 +5,8 @@ streams the request's cached prefix through the pool (slots
 ``prefix_kv_indices[prefix_kv_indptr[b]:prefix_kv_indptr[b+1]]``, all visible),
 then the request's new tokens straight from the step's k/v tensors (rows
 ``qo_indptr[b]:qo_indptr[b+1]``, key j visible to query i iff j <= i), with one
-online softmax over both parts. Prefill is the case of an empty prefix.
+online softmax over both parts. Prefill is the case of an empty prefix. Float32 inputs multiply in
+IEEE float32, not TF32 (triton's default for float32 ``tl.dot``).
 """
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlang.kernels.triton_ops.precision import dot_precision
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_block(q, k, v, s_mask, m_i, l_i, acc, sm_scale_log2):
+def _online_block(q, k, v, s_mask, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
     # q [M, D], k/v [N, D], s_mask [M, N]; returns the updated (m_i, l_i, acc)
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale_log2  # [M, N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale_log2  # [M, N]
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
@@ -35,7 +38,7 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, qo_indptr, prefix_kv_indptr
                    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
                    stride_kt, stride_kh, stride_vt, stride_vh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -69,7 +72,7 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, qo_indptr, prefix_kv_indptr
                     mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2)
+        m_i, l_i, acc = _online_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
 
     # the new tokens, causal; blocks past this query block's last row are all masked
     hi = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -83,7 +86,7 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, qo_indptr, prefix_kv_indptr
         v = tl.load(V_new + rows_n[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
         causal = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        m_i, l_i, acc = _online_block(q, k, v, causal, m_i, l_i, acc, sm_scale_log2)
+        m_i, l_i, acc = _online_block(q, k, v, causal, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(O + rows_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -118,5 +121,6 @@ def extend_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n)
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype))
     return out

@@ -9,6 +9,12 @@ or prefill) runs the routed experts in one call that reads each expert's weights
 A shared expert (Qwen2-MoE, DeepSeek) is folded into that call as extra experts of the routed width,
 which every token picks, weighted by its gate (Qwen2-MoE) or by 1 (DeepSeek).
 
+On CUDA the per-expert loop cannot run inside a captured decode graph (its extent is read from the
+device, and a replay would keep the captured routing): the experts run as two grouped GEMMs over the
+expert-sorted, block-padded pairs (kernels/fused_moe.py, the Triton kernel of kernels/triton_ops/
+fused_moe.py), whose shapes follow from the batch size alone. Without triton, and for experts that kernel
+does not run, ``dispatch`` switches to a static every-expert form while a graph is being captured.
+
 Under tensor parallelism every rank holds every expert, each over its slice of the intermediate
 features (gate/up rows, down columns, as a dense MLP is split); the router is replicated, so every rank
 routes a token to the same experts, and the ranks' partial sums are all-reduced once per layer.
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
+from radixlang.kernels import fused_moe
 from radixlang.runtime.models.packed import PackedLinear
 from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
@@ -170,13 +177,27 @@ class Experts(nn.Module):
         if self.packed is not None:
             out = cpu_ops.moe_experts(x.contiguous(), weights.float().contiguous(), ids.contiguous(), self.packed,
                                       check=False)
+        elif x.is_cuda:
+            out = self._forward_device(x, weights, ids)
         else:
             out = dispatch(x, weights, ids, self.num_experts, self._expert)
         return out if self.tp is None or not reduce else self.tp.all_reduce(out)
 
+    def _forward_device(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: the Triton fused-MoE grouped GEMM (graph-safe: no host reads, shapes fixed by the
+        batch size); without triton, ``dispatch`` (static while a CUDA graph is captured)."""
+        gemm = fused_moe.device_grouped_gemm()
+        if gemm is None:
+            return dispatch(x, weights, ids, self.num_experts, self._expert)
+        return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids, act_and_mul=self._act_and_mul,
+                                       gemm=gemm)
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.inter, dim=-1)  # [rows, inter] each
+        return self.act(gate) * up
+
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(xs, self.w13[e]).split(self.inter, dim=-1)  # [count, inter] each
-        return F.linear(self.act(gate) * up, self.w2[e])
+        return F.linear(self._act_and_mul(F.linear(xs, self.w13[e])), self.w2[e])
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
@@ -184,7 +205,12 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_expe
     """Sort the (token, expert) pairs by expert, run ``expert(e, its tokens' rows)`` once per expert with
     tokens, and sum the outputs back per token weighted by the routing weights (in choice order).
 
-    x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype."""
+    x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype.
+
+    The loop's extent is read from the device (the experts' token counts), which a CUDA graph capture
+    forbids and a replay would freeze: while a CUDA stream is capturing, ``dispatch_static`` runs instead."""
+    if x.is_cuda and capturing_cuda_graph():
+        return dispatch_static(x, weights, ids, num_experts, expert)
     n, k = ids.shape
     flat = ids.reshape(-1)  # [n * k]: pair p is token p // k
     order = torch.argsort(flat, stable=True)
@@ -202,6 +228,27 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_expe
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return (unsorted.view(n, k, x.shape[1]) * weights.to(out.dtype)[..., None]).sum(1)
+
+
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def dispatch_static(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``dispatch`` with shapes fixed by x alone, for a CUDA graph: every expert runs over every token and
+    its output is weighted by the token's routing weight for it (0 where not picked). No host reads and
+    nothing routing-dependent in the shapes, at num_experts / k times dispatch's compute: the fallback of
+    the CUDA path without triton, and of experts the fused kernel does not run (biased, clamped ones).
+
+    x [n, hidden]; weights [n, k] float; ids [n, k] int64 -> [n, hidden] in x's dtype."""
+    dense = torch.zeros((ids.shape[0], num_experts), dtype=torch.float32, device=x.device)
+    dense.scatter_add_(1, ids.long(), weights.float())  # [n, E] each token's weight per expert
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        out += dense[:, e:e + 1] * expert(e, x).float()
+    return out.to(x.dtype)
 
 
 class MoEBlock(nn.Module):
