@@ -1,39 +1,45 @@
-"""The GPU check's phases (run by bench/gpu_check.sh; each phase is its own process with a time cap).
+"""The GPU check's driver (run by bench/gpu_check.sh): every phase in a process group of its own, each killed as
+a group at its cap, the whole check inside one budget (default 5 minutes with the setup, so that it runs twice
+within 15 minutes of GPU time, machine starts included).
 
-    python -m bench.gpu_check --bundle gpu_bundle --out gpu_check_out            # every phase, in order
-    python -m bench.gpu_check --phase accuracy --device cpu --out /tmp/x         # one phase (CPU: torch backend,
-                                                                                 # a small config)
-    python -m bench.gpu_check --dry-run --bundle gpu_bundle                      # imports, files, signatures
+    python -m bench.gpu_check --bundle gpu_bundle --out gpu_check_out       # every phase, in order
+    python -m bench.gpu_check --device cpu --out /tmp/x                     # the same phases on small shapes
+    python -m bench.gpu_check --phase accuracy --device cpu --out /tmp/x    # one phase
+    python -m bench.gpu_check --dry-run --bundle gpu_bundle                 # imports, files, signatures
 
-Phases, in order (caps in seconds, 8 minutes in all):
-  flashinfer_warm (background, from the start): JIT-compiles FlashInfer's FA2/FA3 prefill and decode kernels
-      for the shapes the later phases run, so they find them cached.
-  pytest (90): ``pytest -m cuda``: each backend vs torch, graph vs eager decode, device vs host sampling.
-  accuracy (120): a 4-layer Llama-3-8B-shape model (random weights drawn by transformers on the GPU and saved
-      with save_pretrained) on each attention backend (torch, triton, flashinfer fa2, flashinfer fa3) against
-      transformers by teacher-forced log-probabilities of the prompt tokens, with transformers' own bf16-vs-fp32
-      error as the tolerance; the batch mixes requests with a cached prefix and without one. Then CUDA-graph
-      decode against eager decode (same greedy tokens) on triton and flashinfer.
-  decode (150): the 32-layer Llama-3-8B shape: decode tok/s at batch 1, 32 and 256 with and without CUDA graphs,
-      prefill tok/s, transformers ``generate`` at the same batches, and the bandwidth floor (weight bytes read
-      per step / measured device copy bandwidth).
-  throughput (90): the Llama-2-7B shape, 64 requests of 128 input and 128 output tokens at once: output tok/s.
-Each phase writes ``OUT/phase_NAME.json``; the driver writes ``OUT/gpu_check.json`` and prints a summary.
+Phases, in the order of what matters if the check is cut short (caps in seconds):
+  flashinfer_warm_fa2, flashinfer_warm_fa3 (background, from the start, until phase c): compile FlashInfer's
+      kernels for the shapes its rows run.
+  accuracy (120): the triton and torch attention backends against transformers by teacher-forced
+      log-probabilities, on a small dense (Llama, 4 layers, head dim 128) and a small MoE (Mixtral, 4 layers,
+      8 experts, top-2) shape, random weights drawn by transformers and saved with save_pretrained; one batch
+      mixes prompts extending a cached prefix and prompts without one; tolerance 2x transformers' own
+      bf16-vs-fp32 error. Then decode in CUDA graphs == eager decode (same greedy tokens), both shapes, triton.
+  speed (100): the Llama-2-7B shape (random weights drawn on the GPU), triton, decode in CUDA graphs: decode
+      tok/s at batch 1 and 64, the batch-1 bandwidth floor (weights read per step / measured copy
+      bandwidth), and 64 requests of 128 input and 128 output tokens at once: output tok/s.
+  flashinfer (what the budget leaves): for each of fa2 / fa3 whose kernels compiled in time, the accuracy
+      row on the dense shape; graphs == eager; the speed rows where the 7B shape's kernels compiled too.
+Each phase writes OUT/phase_NAME.json after every row; the driver merges them into OUT/gpu_check.json after
+every phase and prints a PASS/FAIL line per phase.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-from bench.gpu_phases import (MODELS, phase_accuracy, phase_decode, phase_flashinfer_warm, phase_pytest,
-                              phase_throughput)
+from bench.gpu_phases import MODELS, Record
 
-PHASES = [("pytest", 90), ("accuracy", 120), ("decode", 150), ("throughput", 90)]
+# (name, cap in seconds); the FlashInfer rows get whatever the budget leaves
+PHASES = [("accuracy", 120), ("speed", 100)]
+FLASHINFER_MIN_S = 60  # the FlashInfer rows get at least this long: the compiles are cut short before them
+BUDGET_S = {"cuda": 280, "cpu": 170}  # the driver's own budget; gpu_check.sh's setup comes on top
 
 
 # ---- dry run ---------------------------------------------------------------------------------------
@@ -46,13 +52,14 @@ def dry_run(bundle: str) -> dict:
     problems: list[str] = []
     wheels = os.listdir(os.path.join(bundle, "wheels")) if os.path.isdir(os.path.join(bundle, "wheels")) else []
     for pkg in ("pyzmq", "fastapi", "uvicorn", "outlines_core", "orjson", "msgspec", "apache_tvm_ffi", "ninja",
-                "nvidia_ml_py", "einops", "pytest"):
+                "nvidia_ml_py", "einops"):
         if not any(w.lower().startswith(pkg + "-") for w in wheels):
             problems.append(f"no wheel for {pkg}")
     for name in MODELS.values():
-        for f in ("config.json", "tokenizer.json"):
-            if not os.path.exists(os.path.join(bundle, "models", name, f)):
-                problems.append(f"missing models/{name}/{f}")
+        if not os.path.exists(os.path.join(bundle, "models", name, "config.json")):
+            problems.append(f"missing models/{name}/config.json")
+    if not os.path.exists(os.path.join(bundle, "tokenizer", "tokenizer.json")):
+        problems.append("missing tokenizer/tokenizer.json")
     zpath = os.path.join(bundle, "flashinfer_site.zip")
     signatures = {}
     if not os.path.exists(zpath):
@@ -119,81 +126,147 @@ def _check_plan_kwargs(site: str, problems: list[str]) -> dict:
 
 # ---- driver ----------------------------------------------------------------------------------------
 def run_phase(name: str, args) -> dict:
-    fn = {"flashinfer_warm": phase_flashinfer_warm, "pytest": phase_pytest, "accuracy": phase_accuracy,
-          "decode": phase_decode, "throughput": phase_throughput}[name]
-    start = time.perf_counter()
+    """In the phase's own process: run it, its figures saved to OUT/phase_NAME.json as it goes."""
+    from bench.gpu_flashinfer import phase_flashinfer, phase_flashinfer_warm
+    from bench.gpu_phases import phase_accuracy, phase_speed
+
+    fn = {"accuracy": phase_accuracy, "speed": phase_speed, "flashinfer": phase_flashinfer,
+          "flashinfer_warm": phase_flashinfer_warm}[name]
+    label = f"{name}_{args.fi}" if name == "flashinfer_warm" else name
+    rec = Record(os.path.join(args.out, f"phase_{label}.json"))
+    rec.save()
     try:
-        res = fn(args)
-    except Exception as e:  # noqa: BLE001 (a failing row or phase is reported, not raised)
+        fn(args, rec)
+    except Exception as e:  # noqa: BLE001 (a failing phase is reported, not raised)
         import traceback
-        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    res["seconds"] = round(time.perf_counter() - start, 1)
-    with open(os.path.join(args.out, f"phase_{name}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    return res
+        rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:1000], traceback=traceback.format_exc()[-3000:])
+    rec.save()
+    return rec
+
+
+class Group:
+    """A phase's process, leader of its own session (setsid): at its cap the whole group is killed, the
+    compilers and workers it started included (kill -- -pgid)."""
+
+    def __init__(self, cmd: list[str], log_path: str) -> None:
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the process ended within ``timeout`` seconds."""
+        try:
+            self.proc.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+        self.log.close()
+        return True
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
 
 
 def drive(args) -> int:
     os.makedirs(args.out, exist_ok=True)
+    deadline = time.monotonic() + (args.budget or BUDGET_S[args.device])
     base = [sys.executable, "-m", "bench.gpu_check", "--bundle", args.bundle, "--out", args.out, "--device",
             args.device]
-    warm = None
-    if args.device == "cuda":  # FlashInfer compiles in the background from the start
-        with open(os.path.join(args.out, "warm.log"), "w") as log:  # the child keeps its own copy of the fd
-            warm = subprocess.Popen(base + ["--phase", "flashinfer_warm"], stdout=log, stderr=subprocess.STDOUT)
+    groups: list[Group] = []
     summary: dict[str, Any] = {}
+
+    def stop(signum, frame) -> None:  # the shell's backstop: leave no phase running, keep what was measured
+        for g in groups:
+            g.kill()
+        _write(args, summary)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
+    warm = {}
+    # FlashInfer compiles in the background from the start, fa2 and fa3 side by side (the CPU: they report so)
+    for fi in ("fa2", "fa3"):
+        warm[fi] = Group(base + ["--phase", "flashinfer_warm", "--fi", fi],
+                         os.path.join(args.out, f"flashinfer_warm_{fi}.log"))
+        groups.append(warm[fi])
     for name, cap in PHASES:
-        if name == "pytest" and args.device != "cuda":
-            continue
-        start = time.perf_counter()
-        try:
-            cap = cap if args.device == "cuda" else cap * 5  # a CPU dry run: small configs, slow cores
-            proc = subprocess.run(base + ["--phase", name], timeout=cap, capture_output=True, text=True, check=False)
-            path = os.path.join(args.out, f"phase_{name}.json")
-            res = _load(path) if os.path.exists(path) else {"ok": False, "error": proc.stderr[-2000:]}
-        except subprocess.TimeoutExpired:
-            res = {"ok": False, "error": f"over its {cap} s cap"}
-        res.setdefault("seconds", round(time.perf_counter() - start, 1))
-        summary[name] = res
-        print(_line(name, res), flush=True)
-    if warm is not None:
-        try:
-            warm.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            warm.kill()
-        path = os.path.join(args.out, "phase_flashinfer_warm.json")
-        summary["flashinfer_warm"] = _load(path) if os.path.exists(path) else {"ok": False, "error": "did not finish"}
-        print(_line("flashinfer_warm", summary["flashinfer_warm"]), flush=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+        summary[name] = _run_group(args, base, name, min(cap, deadline - time.monotonic() - FLASHINFER_MIN_S // 2),
+                                   groups)
+        print(_line(name, summary[name]), flush=True)
+        _write(args, summary)
+    left = deadline - time.monotonic()
+    for fi, g in warm.items():  # compiled in time, or not at all
+        if not g.wait(left - FLASHINFER_MIN_S):
+            g.kill()
+        summary[f"flashinfer_warm_{fi}"] = _load(args, f"flashinfer_warm_{fi}")
+        left = deadline - time.monotonic()
+    summary["flashinfer"] = _run_group(args, base, "flashinfer", deadline - time.monotonic(), groups)
+    for key in [k for k in summary if k.startswith("flashinfer")]:
+        print(_line(key, summary[key]), flush=True)
+    _write(args, summary)
     print(f"figures: {os.path.join(args.out, 'gpu_check.json')}")
-    return 0 if all(r.get("ok") for r in summary.values()) else 1
+    return 0 if all(r.get("ok") for k, r in summary.items() if not k.startswith("flashinfer_warm")) else 1
 
 
-def _load(path: str) -> dict:
+def _run_group(args, base: list[str], name: str, cap: float, groups: list[Group]) -> dict:
+    if cap < 5:
+        return {"ok": False, "error": "no time left in the budget"}
+    g = Group(base + ["--phase", name], os.path.join(args.out, f"{name}.log"))
+    groups.append(g)
+    start = time.monotonic()
+    finished = g.wait(cap)
+    if not finished:
+        g.kill()
+    res = _load(args, name)
+    if not finished:
+        res.update(ok=False, error=f"killed at its {cap:.0f} s cap (figures so far kept)")
+    elif "ok" not in res:
+        res.update(ok=False, error=f"exited with code {g.proc.returncode}; see {name}.log")
+    res.setdefault("seconds", round(time.monotonic() - start, 1))
+    return res
+
+
+def _load(args, name: str) -> dict:
+    path = os.path.join(args.out, f"phase_{name}.json")
+    if not os.path.exists(path):
+        return {"ok": False, "error": "no figures written"}
     with open(path) as f:
         return json.load(f)
 
 
+def _write(args, summary: dict) -> None:
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+
+
 def _line(name: str, res: dict) -> str:
-    status = "PASS" if res.get("ok") else "FAIL"
-    detail = ""
-    if name == "pytest":
-        detail = res.get("summary", "")
-    elif name == "accuracy" and "backends" in res:
-        detail = "; ".join(f"{k} {'ok' if v.get('ok') else 'FAIL'} mean {v.get('mean_err', float('nan')):.2e}"
-                           for k, v in res["backends"].items())
-        detail += f" (hf bf16 mean {res['hf_bf16_vs_fp32']['mean']:.2e})"
-        if "graph_vs_eager" in res:
-            same = res["graph_vs_eager"].items()
-            detail += "; graphs==eager " + ", ".join(f"{k}:{v.get('same_tokens')}" for k, v in same)
-    elif name == "decode" and "engine" in res:
-        detail = f"engine {res['engine']}; transformers {res['transformers']}; ratios {res.get('ratios')}"
-    elif name == "throughput" and "output_tok_s" in res:
-        detail = f"{res['requests']} x {res['input_len']}/{res['output_len']}: {res['output_tok_s']:.0f} output tok/s"
-    if not res.get("ok") and res.get("error"):
-        detail += " " + str(res["error"])[:300]
-    return f"[{status}] {name} ({res.get('seconds', '?')} s) {detail}"
+    status = "SKIP" if res.get("skipped") else "PASS" if res.get("ok") else "FAIL"
+    parts = []
+    for key, row in (res.get("rows") or {}).items():
+        if "mean_err" in row:
+            parts.append(f"{key} {'ok' if row.get('ok') else 'FAIL'} mean {row['mean_err']:.2e}")
+        else:
+            note = f" ({row['note']})" if "note" in row else ""
+            parts.append(f"{key} {'ok' if row.get('ok') else 'FAIL'}{note}")
+    for key in ("triton", "flashinfer_fa2", "flashinfer_fa3"):
+        row = res.get(key)
+        if isinstance(row, dict) and "decode_tok_s_batch1" in row:
+            decode = ", ".join(f"b{k.rpartition('batch')[2]} {v:.0f}" for k, v in row.items()
+                               if k.startswith("decode_tok_s_batch"))
+            parts.append(f"{key}: decode tok/s {decode} (b1 {row.get('batch1_vs_floor', float('nan')):.2f} of the "
+                         "bandwidth floor)")
+        tp = row.get("throughput") if isinstance(row, dict) else None
+        if tp:
+            parts.append(f"{tp['requests']} x {tp['input_len']}/{tp['output_len']}: {tp['output_tok_s']:.0f} "
+                         "output tok/s")
+    if "compiled" in res and name.startswith("flashinfer_warm"):
+        parts.append(f"compiled {[c['shape'] for c in res['compiled']]}")
+    for key in ("skipped", "status", "error"):
+        if res.get(key):
+            parts.append(str(res[key])[:300])
+    return f"[{status}] {name} ({res.get('seconds', '?')} s) " + "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bundle", default="gpu_bundle")
     ap.add_argument("--out", default="gpu_check_out")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--phase", default=None, choices=[p for p, _ in PHASES] + ["flashinfer_warm"])
+    ap.add_argument("--phase", default=None, choices=[p for p, _ in PHASES] + ["flashinfer", "flashinfer_warm"])
+    ap.add_argument("--fi", default="fa2", choices=("fa2", "fa3"), help="the variant --phase flashinfer_warm compiles")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for every phase together (default {BUDGET_S['cuda']} on CUDA, {BUDGET_S['cpu']} "
+                         "on the CPU)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:

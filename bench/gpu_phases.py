@@ -1,343 +1,362 @@
-"""The GPU check's phases (see bench/gpu_check.py for the order, caps and what each measures)."""
+"""The GPU check's phases (bench/gpu_check.py runs each in a process group of its own, with a cap).
+
+Every phase writes ``OUT/phase_NAME.json`` after each row it finishes (``Record``), so a phase killed at
+its cap still leaves the figures it had. Imports of torch, transformers and radixlang happen inside the
+phases: the driver stays stdlib-only.
+"""
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
+import random
+import shutil
 import time
 from typing import Any
 
-MODELS = {"accuracy": "llama3_8b_4l", "decode": "llama3_8b_32l", "throughput": "llama2_7b_32l"}
-# a small config for --device cpu dry runs of the phases (same code paths, seconds on a CPU)
-SMALL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=2)
+# the carried configs (bench/prepare_gpu_bundle.py CONFIGS): a small dense and a small MoE shape for accuracy,
+# the Llama-2-7B shape for speed
+MODELS = {"dense": "dense_4l", "moe": "moe_4l", "perf": "llama2_7b_32l"}
+# --device cpu: the same code paths on small shapes (seconds on 2 cores, the Triton kernels interpreted)
+# (a larger initializer range keeps attention and logits as far from uniform as the full shapes' 0.02 does)
+SMALL = {"dense_4l": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                          num_hidden_layers=2, initializer_range=0.08),
+         "moe_4l": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=2, num_local_experts=4, initializer_range=0.1),
+         "llama2_7b_32l": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                               num_hidden_layers=2)}
+TOKENIZER_VOCAB = 49152  # the carried SmolLM2 tokenizer's; prompts stay below every model's vocabulary
+
+
+class Record(dict):
+    """A phase's figures, rewritten to its JSON file at every ``save`` (a killed phase keeps what it had)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.start = time.perf_counter()
+
+    def save(self) -> None:
+        self["seconds"] = round(time.perf_counter() - self.start, 1)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 # ---- models ----------------------------------------------------------------------------------------
-def build_weights(bundle: str, name: str, out: str, device: str, *, small: bool = False, keep: bool = False):
-    """Random weights drawn by transformers from the carried config, saved with save_pretrained (bf16 on CUDA,
-    float32 on the CPU) beside the carried tokenizer. Returns (folder, the transformers model if keep)."""
-    import shutil
-
-    import torch
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    src = os.path.join(bundle, "models", name)
-    folder = os.path.join(out, "models", name + ("_small" if small else ""))
-    config = AutoConfig.from_pretrained(src)
+def model_folder(args, name: str) -> str:
+    """OUT/models/NAME: the carried config (shrunk on the CPU) and the tokenizer; no weights yet."""
+    small = args.device == "cpu"
+    folder = os.path.join(args.out, "models", name + ("_small" if small else ""))
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    os.makedirs(folder, exist_ok=True)
+    src = os.path.join(args.bundle, "models", name)
+    tok = os.path.join(args.bundle, "tokenizer")
+    if os.path.exists(os.path.join(src, "config.json")):
+        with open(os.path.join(src, "config.json")) as f:
+            config = json.load(f)
+    else:  # no bundle (a CPU run of the check): the configs it would carry, the embedded model's tokenizer
+        from bench.prepare_gpu_bundle import model_config
+        from radixlang.runtime.models.loader import resolve_model_dir
+        config = model_config(name)
+        tok = resolve_model_dir(None)
     if small:
-        for k, v in SMALL.items():
-            setattr(config, k, v)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        config.update(SMALL[name])
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    from bench.prepare_gpu_bundle import TOKENIZER_FILES
+    for t in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tok, t)):
+            shutil.copy(os.path.join(tok, t), os.path.join(folder, t))
+    return folder
+
+
+def hf_weights(args, name: str):
+    """Random weights drawn by transformers on the device (bf16 on CUDA, float32 on the CPU), saved into the
+    model folder with save_pretrained for the engine to load. Returns (folder, the transformers model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = model_folder(args, name)
+    config = AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    if not os.path.exists(os.path.join(folder, "model.safetensors.index.json")) and \
-            not os.path.exists(os.path.join(folder, "model.safetensors")):
-        model.save_pretrained(folder, max_shard_size="4GB")
-    for f in os.listdir(src):
-        if f != "config.json":
-            shutil.copy(os.path.join(src, f), os.path.join(folder, f))
-    if not keep:
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        return folder, None
+    if args.device == "cuda":
+        model = model.to(torch.bfloat16)
+    if not any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        model.save_pretrained(folder)
     return folder, model
 
 
-def _engine(folder: str, device: str, **kw):
-    from radixlang import Engine
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    return Engine(model_path=folder, device=device, dtype=dtype, **kw)
-
-
-# ---- phase: flashinfer warm-up ---------------------------------------------------------------------
-def phase_flashinfer_warm(args) -> dict:
-    """Compile (JIT) every FlashInfer kernel the later phases use by running each once on random pools."""
+def device_random_weights(device: str):
+    """loader.random_weights drawn on ``device``: the 7B shape's ~7e9 numbers take a minute on the host."""
     import torch
 
-    from radixlang.kernels.attention import create_attention_backend
-    from radixlang.kernels.attention.base import ForwardMode
-    from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-    from radixlang.runtime.model_executor.forward_batch import ForwardBatch
+    from radixlang.runtime.models import loader
 
-    class Layer:
-        def __init__(self, heads, kv_heads, head_dim):
-            self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim = 0, heads, kv_heads, head_dim
-            self.scaling = head_dim ** -0.5
-
-    done = []
-    shapes = [(32, 8, 128), (32, 32, 128), (4, 2, 64), (8, 2, 64), (2, 2, 64)]  # 8B, 7B, the CUDA tests
-    for fi in ("fa2", "fa3"):
-        for heads, kv_heads, head_dim in shapes:
-            start = time.perf_counter()
-            backend = create_attention_backend("flashinfer", num_heads=heads, num_kv_heads=kv_heads,
-                                               head_dim=head_dim, device="cuda", dtype=torch.bfloat16,
-                                               flashinfer_backend=fi)
-            pool = TokenToKVPool(256, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16,
-                                 device="cuda")
-            reqs = ReqToTokenPool(4, 128, "cuda")
-            reqs.req_to_token[0, :40] = torch.arange(1, 41, dtype=torch.int32, device="cuda")
-            reqs.req_to_token[1, :8] = torch.arange(41, 49, dtype=torch.int32, device="cuda")
-            for mode, prefix, ext in ((ForwardMode.EXTEND, [30, 0], [10, 8]), (ForwardMode.DECODE, [39, 7], [1, 1])):
-                n = sum(ext)
-                seq = [p + e for p, e in zip(prefix, ext)]
-                loc = torch.cat([reqs.req_to_token[i, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))])
-                fb = ForwardBatch(forward_mode=mode, batch_size=2, input_ids=torch.zeros(n, dtype=torch.int64,
-                                                                                         device="cuda"),
-                                  positions=torch.zeros(n, dtype=torch.int64, device="cuda"),
-                                  req_pool_indices=torch.tensor([0, 1], device="cuda"),
-                                  seq_lens=torch.tensor(seq, device="cuda"), seq_lens_cpu=seq,
-                                  extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
-                                  out_cache_loc=loc.to(torch.int64), req_to_token=reqs.req_to_token,
-                                  token_to_kv_pool=pool, attn_backend=backend)
-                backend.init_forward_metadata(fb)
-                q = torch.randn(n, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(n, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-                backend.forward(q, k, k.clone(), Layer(heads, kv_heads, head_dim), fb)
-            torch.cuda.synchronize()
-            done.append({"backend": fi, "shape": [heads, kv_heads, head_dim],
-                         "seconds": round(time.perf_counter() - start, 1)})
-    return {"ok": True, "compiled": done}
+    def weights(config: Any, seed: int):
+        with torch.device("meta"):
+            model = loader.model_class(config)(config, device="meta")
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(p.shape, device=device)
+                continue
+            t = torch.randn(p.shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+            prefix = name.rpartition(".")[0]
+            if prefix.endswith((".qkv_proj", ".gate_up_proj")):
+                owner = model.get_submodule(prefix.rpartition(".")[0])
+                yield from loader.unfused_pieces(name, t, getattr(owner, "q_size", 0),
+                                                 getattr(owner, "kv_size", 0)) or []
+            else:
+                yield name, t
+    return weights
 
 
-# ---- phase: pytest ---------------------------------------------------------------------------------
-def phase_pytest(args) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/kernels",
-           "tests/runtime", "-o", "addopts=", "--timeout", "80"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-400:]
-    return {"ok": proc.returncode == 0, "summary": tail, "output_tail": proc.stdout[-3000:]}
+def engine(args, folder: str, backend: str, **kw):
+    from radixlang import Engine
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    kw.setdefault("disable_cuda_graph", True)
+    kw.setdefault("max_total_tokens", 16384)
+    return Engine(model_path=folder, device=args.device, dtype=dtype, attention_backend=backend, **kw)
 
 
-# ---- phase: accuracy -------------------------------------------------------------------------------
-def _teacher_forced_hf(model, prompts: list[list[int]], dtype) -> list[list[float]]:
+# ---- accuracy --------------------------------------------------------------------------------------
+def accuracy_prompts(device: str) -> tuple[list[int], list[list[int]]]:
+    """One batch: two prompts extend a cached prefix, three share nothing (no prefix: a case FlashInfer once
+    planned as one KV row). Logprobs are compared from the prefix's end on."""
+    rng = random.Random(0)
+    n_prefix, extend, fresh = (96, (40, 7), (220, 133, 109)) if device == "cuda" else (24, (10, 5), (40, 30, 20))
+    prefix = [rng.randrange(TOKENIZER_VOCAB) for _ in range(n_prefix)]
+    prompts = [prefix + [rng.randrange(TOKENIZER_VOCAB) for _ in range(n)] for n in extend]
+    prompts += [[rng.randrange(TOKENIZER_VOCAB) for _ in range(n)] for n in fresh]
+    return prefix, prompts
+
+
+def teacher_forced_hf(model, prompts: list[list[int]], dtype) -> list[list[float]]:
     """logprob of every prompt token after the first, by transformers at ``dtype``."""
     import torch
 
     out = []
+    model = model.to(dtype)
     for ids in prompts:
         x = torch.tensor([ids], device=model.device)
-        with torch.inference_mode(), torch.autocast(x.device.type, enabled=False):
-            logits = model.to(dtype)(x).logits[0].float()
+        with torch.inference_mode():
+            logits = model(x).logits[0].float()
         lp = torch.log_softmax(logits, -1)[:-1].gather(1, x[0, 1:, None]).squeeze(1)
         out.append(lp.tolist())
     return out
 
 
-def _engine_teacher_forced(engine, prompts: list[list[int]], start: int) -> list[list[float]]:
-    """The engine's logprobs of prompt tokens start + 1 .., the prompts submitted as one batch."""
-    res = engine.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 1}] * len(prompts),
-                          return_logprob=True, logprob_start_len=start)
-    return [[lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None] for r in res]
+def reference(args, name: str) -> dict:
+    """transformers' float32 log-probabilities of the accuracy batch and its own bf16-vs-fp32 error (the
+    tolerance), computed once per shape and kept in OUT for the FlashInfer rows."""
+    import torch
+
+    path = os.path.join(args.out, f"reference_{name}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    folder, hf = hf_weights(args, name)
+    prefix, prompts = accuracy_prompts(args.device)
+    ref32 = teacher_forced_hf(hf, prompts, torch.float32)
+    ref16 = teacher_forced_hf(hf, prompts, torch.bfloat16) if args.device == "cuda" else ref32
+    start = len(prefix)
+    hf_mean, hf_max = errors(ref16, ref32, start)
+    del hf
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    ref = {"folder": folder, "prefix": prefix, "prompts": prompts, "ref32": ref32,
+           "hf_bf16_vs_fp32": {"mean": hf_mean, "max": hf_max}}
+    with open(path, "w") as f:
+        json.dump(ref, f)
+    return ref
 
 
-def _errors(got: list[list[float]], ref: list[list[float]], starts: list[int]) -> tuple[float, float]:
+def errors(got: list[list[float]], ref: list[list[float]], start: int) -> tuple[float, float]:
     diffs = []
-    for g, r, s in zip(got, ref, starts):
-        r = r[s:]  # the engine scores tokens s + 1.. (token s is its first entry, without a logprob)
+    for g, r in zip(got, ref):
+        r = r[start:]  # the engine scores tokens start + 1.. (token start is its first entry, without a logprob)
         g = g[-len(r):] if r else []
         diffs += [abs(a - b) for a, b in zip(g, r)]
     return (sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0))
 
 
-def phase_accuracy(args) -> dict:
-    import random
+def run_batch(eng, ref: dict, *, greedy: bool) -> tuple[list[list[float]], int, list[list[int]] | None]:
+    """The accuracy batch on an engine: the prefix cached first, then the batch teacher-forced (its logprobs
+    and the cached tokens), then, with ``greedy``, 24 greedy tokens of every prompt (the decode steps; 6 on
+    the CPU)."""
+    prefix, prompts, start = ref["prefix"], ref["prompts"], len(ref["prefix"])
+    eng.generate(input_ids=prefix + [1], sampling_params={"max_new_tokens": 0})
+    res = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 1}] * len(prompts),
+                       return_logprob=True, logprob_start_len=start)
+    cached = eng.get_server_info()["cached_tokens"]
+    got = [[lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None] for r in res]
+    ids = None
+    if greedy:
+        n = 24 if eng.server_args.device == "cuda" else 6  # the CPU runs the Triton kernels interpreted
+        outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                                "ignore_eos": True})
+        ids = [o["output_ids"] for o in outs]
+    return got, cached, ids
 
-    import torch
 
-    device = args.device
-    folder, hf = build_weights(args.bundle, MODELS["accuracy"], args.out, device, small=device == "cpu", keep=True)
-    rng = random.Random(0)
-    vocab = 49152  # the carried tokenizer's; the model's vocabulary is larger
-    prefix = [rng.randrange(vocab) for _ in range(96)]
-    # one batch: two prompts extend the cached 96-token prefix, three share nothing (no prefix: the case
-    # FlashInfer once planned as one KV row); logprobs are compared from position 96 on
-    prompts = [prefix + [rng.randrange(vocab) for _ in range(n)] for n in (40, 7)] + \
-              [[rng.randrange(vocab) for _ in range(n)] for n in (220, 133, 109)]
-    starts = [len(prefix)] * len(prompts)
-    ref32 = _teacher_forced_hf(hf, prompts, torch.float32)
-    ref16 = _teacher_forced_hf(hf, prompts, torch.bfloat16 if device == "cuda" else torch.float32)
-    hf_mean, hf_max = _errors(ref16, ref32, starts)
-    del hf
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    backends = [("torch", "auto"), ("triton", "auto"), ("flashinfer", "fa2"), ("flashinfer", "fa3")]
-    if device == "cpu":
-        backends = [("torch", "auto")]
-    results: dict[str, Any] = {"hf_bf16_vs_fp32": {"mean": hf_mean, "max": hf_max}, "backends": {}}
-    ok = True
-    for name, fi in backends:
-        label = name if name != "flashinfer" else f"flashinfer_{fi}"
-        try:
-            with _engine(folder, device, attention_backend=name, flashinfer_backend=fi, max_total_tokens=16384,
-                         disable_cuda_graph=True) as eng:
-                # warm the prefix into the cache, then the batch: two cached extends and three fresh prompts
-                eng.generate(input_ids=prefix + [1], sampling_params={"max_new_tokens": 0})
-                got = _engine_teacher_forced(eng, prompts, len(prefix))
-                cached = eng.get_server_info()["cached_tokens"]
-            mean, mx = _errors(got, ref32, starts)
-            # tolerance: transformers' own bf16 error (2x, plus a floor for the float32 CPU run)
-            passed = mean <= 2 * hf_mean + 1e-3 and mx <= 2 * hf_max + 1e-2 and cached >= 2 * len(prefix)
-            results["backends"][label] = {"mean_err": mean, "max_err": mx, "cached_tokens": cached, "ok": passed}
-            ok &= passed
-        except Exception as e:  # noqa: BLE001 (a failing row or phase is reported, not raised)  # a backend that cannot run here fails its row, not the phase
-            results["backends"][label] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-            ok = False
-    if device == "cuda":
-        results["graph_vs_eager"] = {}
-        for name in ("triton", "flashinfer"):
+def accuracy_row(args, ref: dict, backend: str, eager_ids: list | None = None, **kw) -> dict:
+    """One backend (decode eager) against transformers; ``eager_ids`` (a list) receives its greedy tokens."""
+    with engine(args, ref["folder"], backend, **kw) as eng:
+        got, cached, ids = run_batch(eng, ref, greedy=eager_ids is not None)
+    if eager_ids is not None and ids is not None:
+        eager_ids.extend(ids)
+    mean, mx = errors(got, ref["ref32"], len(ref["prefix"]))
+    hf = ref["hf_bf16_vs_fp32"]
+    # tolerance: transformers' own bf16 error (2x, plus a floor for the float32 CPU run)
+    passed = mean <= 2 * hf["mean"] + 1e-3 and mx <= 2 * hf["max"] + 1e-2 and cached >= 2 * len(ref["prefix"])
+    return {"mean_err": mean, "max_err": mx, "cached_tokens": cached, "ok": passed}
+
+
+def graph_row(args, ref: dict, backend: str, eager_ids: list, **kw) -> dict:
+    """The same run as the eager accuracy row's, decode in CUDA graphs: the same greedy tokens."""
+    if not eager_ids:
+        return {"ok": False, "error": "the eager row gave no tokens to compare with"}
+    with engine(args, ref["folder"], backend, disable_cuda_graph=False, cuda_graph_max_bs=8, **kw) as eng:
+        _, _, ids = run_batch(eng, ref, greedy=True)
+    same = ids == eager_ids
+    row: dict[str, Any] = {"ok": same, "same_tokens": same}
+    if not same:  # (prompt, token) of the first difference
+        row["first_difference"] = next(((i, j) for i, (a, b) in enumerate(zip(ids or [], eager_ids))
+                                        for j in range(min(len(a), len(b))) if a[j] != b[j]), "lengths differ")
+    if args.device != "cuda":
+        row["note"] = "CPU: no CUDA graphs, both runs eager (the row's plumbing only)"
+    return row
+
+
+def phase_accuracy(args, rec: Record) -> None:
+    """(a) triton and torch against transformers on the small dense and MoE shapes, then graphs == eager."""
+    from radixlang.runtime.server_args import ServerArgs
+
+    # what --attention-backend auto picks here (the start log of a server says why)
+    rec["auto_attention_backend"] = ServerArgs(device=args.device).resolve().attention_backend
+    if args.device == "cuda":
+        from radixlang.kernels.attention.flashinfer_probe import flashinfer_status
+        rec["flashinfer_status"] = flashinfer_status().reason
+    rec["rows"] = {}
+    rec["hf_bf16_vs_fp32"] = {}
+    eager: dict[str, list] = {}
+    for shape in ("dense", "moe"):
+        ref = reference(args, MODELS[shape])
+        rec["hf_bf16_vs_fp32"][shape] = ref["hf_bf16_vs_fp32"]
+        for backend in ("triton", "torch"):
+            key = f"{shape}/{backend}"
             try:
-                ids = {}
-                for graphs in (False, True):
-                    with _engine(folder, device, attention_backend=name, max_total_tokens=16384,
-                                 disable_cuda_graph=not graphs, cuda_graph_max_bs=16) as eng:
-                        outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 24,
-                                                                                "ignore_eos": True})
-                        ids[graphs] = [o["output_ids"] for o in outs]
-                same = ids[True] == ids[False]
-                results["graph_vs_eager"][name] = {"same_tokens": same}
-                ok &= same
-            except Exception as e:  # noqa: BLE001 (a failing row or phase is reported, not raised)
-                results["graph_vs_eager"][name] = {"same_tokens": False, "error": f"{type(e).__name__}: {e}"[:500]}
-                ok = False
-    results["ok"] = ok
-    return results
+                ids = eager.setdefault(shape, []) if backend == "triton" else None
+                rec["rows"][key] = accuracy_row(args, ref, backend, ids)
+            except Exception as e:  # noqa: BLE001 (a failing row is reported, not raised)
+                rec["rows"][key] = {"ok": False, "error": error_text(e)}
+            rec.save()
+    for shape in ("dense", "moe"):
+        key = f"{shape}/triton graphs==eager"
+        try:
+            rec["rows"][key] = graph_row(args, reference(args, MODELS[shape]), "triton", eager.get(shape, []))
+        except Exception as e:  # noqa: BLE001 (a failing row is reported, not raised)
+            rec["rows"][key] = {"ok": False, "error": error_text(e)}
+        rec.save()
+    rec["ok"] = all(r.get("ok") for r in rec["rows"].values())
 
 
-# ---- phase: decode and prefill speed ---------------------------------------------------------------
-def _copy_bandwidth(device: str) -> float:
+# ---- speed -----------------------------------------------------------------------------------------
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a device copy."""
     import torch
 
-    n = (2 << 30) if device == "cuda" else (256 << 20)
+    n = (2 << 30) if device == "cuda" else (64 << 20)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(5):
         b.copy_(a)
-    _sync(device)
-    return 2 * n * 5 / (time.perf_counter() - start)  # bytes read + written per second
+    sync(device)
+    return 2 * n * 5 / (time.perf_counter() - start)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     import torch
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def _decode_tok_s(engine, bs: int, prompt_len: int, new_tokens: int) -> float:
-    import random
+def decode_tok_s(eng, bs: int, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s at batch ``bs``: the run's time less that of the same prompts' cached prefill."""
     rng = random.Random(bs)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(bs)]
+    prompts = [[rng.randrange(1000, 30000) for _ in range(prompt_len)] for _ in range(bs)]
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
-    engine.generate(input_ids=prompts, sampling_params=[params] * bs)  # prefill cached (and warm)
+    eng.generate(input_ids=prompts, sampling_params=[params] * bs)  # prefill cached (and warm)
     t0 = time.perf_counter()
-    engine.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": 1}] * bs)
-    t_prefill_hit = time.perf_counter() - t0
+    eng.generate(input_ids=prompts, sampling_params=[params] * bs)
+    t_first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": new_tokens + 1}] * bs)
-    dt = time.perf_counter() - t0 - t_prefill_hit
-    return bs * new_tokens / max(dt, 1e-9)
-
-
-def _hf_generate_tok_s(model, bs: int, prompt_len: int, new_tokens: int, device: str) -> float:
-    import torch
-    x = torch.randint(1000, 40000, (bs, prompt_len), device=device)
-    kw = {"attention_mask": torch.ones_like(x), "pad_token_id": 0, "do_sample": False}
-    with torch.inference_mode():
-        model.generate(x, max_new_tokens=2, min_new_tokens=2, **kw)
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
-        _sync(device)
-        t_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(x, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
-        _sync(device)
+    eng.generate(input_ids=prompts, sampling_params=[{**params, "max_new_tokens": new_tokens + 1}] * bs)
     return bs * new_tokens / max(time.perf_counter() - t0 - t_first, 1e-9)
 
 
-def phase_decode(args) -> dict:
-    import torch
-
-    device = args.device
-    small = device == "cpu"
-    folder, hf = build_weights(args.bundle, MODELS["decode"], args.out, device, small=small, keep=True)
-    batches = (1, 32, 256) if not small else (1, 4)
-    new_tokens = 32 if not small else 4
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    # a decode step reads every weight but the embedding table (only its rows for the batch's tokens)
-    emb = hf.get_input_embeddings().weight
-    read_bytes = weight_bytes - (emb.numel() * emb.element_size() if not hf.config.tie_word_embeddings else 0)
-    bw = _copy_bandwidth(device)
-    res: dict[str, Any] = {"weight_bytes": weight_bytes, "bytes_read_per_step": read_bytes,
-                           "copy_bandwidth_GBps": bw / 1e9,
-                           # one read of the weights per step (bw counts the bytes a copy moves)
-                           "floor_tok_s_batch1": bw / read_bytes,
-                           "transformers": {}, "engine": {}}
-    for bs in batches:
-        try:
-            res["transformers"][bs] = _hf_generate_tok_s(hf, bs, 128, new_tokens, device)
-        except Exception as e:  # noqa: BLE001 (a failing row or phase is reported, not raised)
-            res["transformers"][bs] = f"{type(e).__name__}: {e}"[:300]
-    del hf
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    backend = "flashinfer" if device == "cuda" else "torch"
-    for graphs in ((False, True) if device == "cuda" else (False,)):
-        key = "graphs" if graphs else "eager"
-        with _engine(folder, device, attention_backend=backend, disable_cuda_graph=not graphs,
-                     cuda_graph_max_bs=256, max_running_requests=256, max_total_tokens=256 * 256) as eng:
-            res["engine"][key] = {bs: _decode_tok_s(eng, bs, 128, new_tokens) for bs in batches}
-            if not graphs:
-                import random
-                rng = random.Random(1)
-                n, plen = (8, 1024) if device == "cuda" else (2, 64)
-                prompts = [[rng.randrange(1000, 40000) for _ in range(plen)] for _ in range(n)]
-                eng.generate(input_ids=prompts[:1], sampling_params={"max_new_tokens": 1})
-                eng.flush_cache()
-                t0 = time.perf_counter()
-                eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 1}] * n)
-                res["engine"]["prefill_tok_s"] = n * plen / (time.perf_counter() - t0)
-    hf_by_bs = res["transformers"]
-    best = res["engine"].get("graphs", res["engine"]["eager"])
-    res["ratios"] = {
-        "batch1_vs_floor": best[batches[0]] / res["floor_tok_s_batch1"],
-        **{f"batch{bs}_vs_transformers": best[bs] / hf_by_bs[bs] for bs in batches
-           if isinstance(hf_by_bs.get(bs), float)},
-    }
-    if device == "cuda":
-        res["batch1_itl_ms"] = 1000.0 / best[1]
-        res["prefill_tflops"] = res["engine"]["prefill_tok_s"] * 2 * weight_bytes / 2 / 1e12
-    res["ok"] = True
-    if device == "cuda":  # 16 GB of safetensors: make room on the disk for the next phase's model
-        import shutil
-        shutil.rmtree(folder, ignore_errors=True)
-    return res
-
-
-# ---- phase: the Llama-2-7B serving shape -----------------------------------------------------------
-def phase_throughput(args) -> dict:
-    import random
-
-    device = args.device
-    small = device == "cpu"
-    folder, _ = build_weights(args.bundle, MODELS["throughput"], args.out, device, small=small)
-    n, plen, olen = (64, 128, 128) if not small else (4, 16, 8)
+def throughput(eng, n: int, plen: int, olen: int) -> dict:
     rng = random.Random(2)
     prompts = [[rng.randrange(1000, 30000) for _ in range(plen)] for _ in range(n)]
     params = {"temperature": 0, "max_new_tokens": olen, "ignore_eos": True}
-    backend = "flashinfer" if device == "cuda" else "torch"
-    with _engine(folder, device, attention_backend=backend, cuda_graph_max_bs=64, max_total_tokens=64 * 512,
-                 disable_radix_cache=True) as eng:
-        eng.generate(input_ids=prompts[:2], sampling_params=[{**params, "max_new_tokens": 4}] * 2)
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=prompts, sampling_params=[params] * n)
-        dt = time.perf_counter() - t0
+    eng.generate(input_ids=prompts[:2], sampling_params=[{**params, "max_new_tokens": 4}] * 2)
+    eng.flush_cache()
+    t0 = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=[params] * n)
+    dt = time.perf_counter() - t0
     out_tokens = sum(len(o["output_ids"]) for o in outs)
     return {"ok": out_tokens == n * olen, "requests": n, "input_len": plen, "output_len": olen,
-            "output_tok_s": out_tokens / dt, "seconds": dt}
+            "output_tok_s": out_tokens / dt, "seconds": round(dt, 2)}
+
+
+def speed_rows(args, rec: Record, backend: str, key: str, bandwidth: float, **kw) -> None:
+    """Decode tok/s at batch 1 and 64 and the 64 x 128-in / 128-out throughput, on the Llama-2-7B shape with
+    random weights drawn on the device, decode in CUDA graphs."""
+    import torch
+
+    from radixlang.runtime.models import loader
+
+    cuda = args.device == "cuda"
+    loader.random_weights = device_random_weights(args.device)  # this phase's process only
+    folder = model_folder(args, MODELS["perf"])
+    batches, new_tokens, (n, plen, olen) = ((1, 64), 64, (64, 128, 128)) if cuda else ((1, 4), 4, (4, 16, 8))
+    rows = rec.setdefault(key, {})
+    with engine(args, folder, backend, load_format="dummy", disable_cuda_graph=not cuda, cuda_graph_max_bs=64,
+                max_running_requests=64, max_total_tokens=64 * 320, **kw) as eng:
+        model = eng.scheduler.runner.model
+        rows["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        # a batch-1 step reads every weight once but the embedding table (only the batch's rows of it); the
+        # copy bandwidth counts each byte read and written, a step's weights are only read
+        read = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        rows["floor_tok_s_batch1"] = bandwidth / read
+        for bs in batches:
+            rows[f"decode_tok_s_batch{bs}"] = decode_tok_s(eng, bs, 128 if cuda else 16, new_tokens)
+            rec.save()
+        rows["throughput"] = throughput(eng, n, plen, olen)
+        rec.save()
+    rows["batch1_vs_floor"] = rows["decode_tok_s_batch1"] / rows["floor_tok_s_batch1"]
+    rows["ok"] = bool(rows["throughput"]["ok"])
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def phase_speed(args, rec: Record) -> None:
+    """(b) decode tok/s at batch 1 and 64, and the Llama-7B-shape 128-in / 128-out throughput, on triton."""
+    bw = copy_bandwidth(args.device)
+    rec["copy_bandwidth_GBps"] = bw / 1e9
+    rec.save()
+    speed_rows(args, rec, "triton", "triton", bw)
+    rec["ok"] = bool(rec["triton"]["ok"])

@@ -10,11 +10,12 @@ the folder (at most 64 MiB):
   JIT compiles (``data/include``, ``data/csrc`` top-level files, the ``cutlass``, ``cccl`` and ``spdlog``
   headers), deflated; gpu_check.sh unpacks it into a folder on PYTHONPATH. FlashInfer's JIT needs nvcc (a CUDA
   toolkit) on the GPU machine: its wheel does not fit here.
-* ``models/llama3_8b_4l`` and ``models/llama3_8b_32l``: ``config.json`` of the Llama-3-8B shape (4 and 32
-  layers) and ``models/llama2_7b_32l`` (the Llama-2-7B shape of the published throughput comparisons), each
-  with the embedded SmolLM2 tokenizer (49,152 tokens, within both vocabularies). The weights do not fit
-  (one 8B-shape layer is ~0.4 GiB in bf16): ``gpu_check.py`` draws them with transformers on the GPU and saves
-  them there with ``save_pretrained`` before the engine checks.
+* ``models/NAME/config.json``: the small dense shape (``dense_4l``: Llama, 4 layers, head dim 128) and the small
+  MoE shape (``moe_4l``: Mixtral, 4 layers, 8 experts, top-2) of the accuracy phase, and the Llama-2-7B shape
+  (``llama2_7b_32l``, the shape of the published throughput comparisons) of the speed phase; ``tokenizer/``:
+  the embedded SmolLM2 tokenizer (49,152 tokens, within every vocabulary), once for all of them. No weights:
+  the check draws them on the GPU (transformers + ``save_pretrained`` for the accuracy shapes, the engine's
+  random weights for the 7B shape).
 
     python -m bench.prepare_gpu_bundle [--out gpu_bundle] [--flashinfer-wheel PATH]
 """
@@ -33,7 +34,7 @@ LIMIT_BYTES = 64 << 20
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 # what the GPU machine lacks, pinned to versions this repository is tested with; pip adds their dependencies
 PACKAGES = ["pyzmq==27.3.0", "fastapi==0.165.0", "uvicorn==0.55.0", "outlines-core==0.2.14", "orjson==3.13.0",
-            "msgspec==0.23.0", "apache-tvm-ffi==0.1.15.post2", "httpx", "pytest", "pytest-timeout",
+            "msgspec==0.23.0", "apache-tvm-ffi==0.1.15.post2", "httpx",
             # imported by flashinfer's Python package (its other requirements are only needed for MoE/comm/cute)
             "nvidia-ml-py", "einops", "tabulate", "ninja", "click", "requests"]
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64"]
@@ -48,13 +49,18 @@ DROP = ("*/__pycache__/*",
 HEADER_EXT = (".h", ".hpp", ".cuh", ".inl", ".cu", ".cc", ".cpp", ".jinja", ".py", ".txt", ".json")
 
 CONFIGS = {
-    "llama3_8b_4l": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                         vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, num_hidden_layers=4),
-    "llama3_8b_32l": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                          vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, num_hidden_layers=32),
+    "dense_4l": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8,
+                     vocab_size=49152, rope_theta=500000.0, max_position_embeddings=8192, num_hidden_layers=4),
+    "moe_4l": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=1024,
+                   intermediate_size=2048, num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                   num_experts_per_tok=2, sliding_window=None, vocab_size=49152, rope_theta=1000000.0,
+                   max_position_embeddings=8192, num_hidden_layers=4),
     "llama2_7b_32l": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
                           vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096, num_hidden_layers=32),
 }
+_BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -106,18 +112,22 @@ def trim_flashinfer(wheel: str, out_zip: str) -> int:
     return kept
 
 
+def model_config(name: str) -> dict:
+    """The full config.json of one of the carried shapes."""
+    return {**_BASE, **CONFIGS[name]}
+
+
 def write_models(dest: str, tokenizer_dir: str) -> None:
-    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-    for name, shape in CONFIGS.items():
-        folder = os.path.join(dest, name)
+    """dest/models/NAME/config.json for each shape and dest/tokenizer/ (the tokenizer, once)."""
+    for name in CONFIGS:
+        folder = os.path.join(dest, "models", name)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump({**base, **shape}, f, indent=1)
-        for t in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(tokenizer_dir, t)):
-                shutil.copy(os.path.join(tokenizer_dir, t), os.path.join(folder, t))
+            json.dump(model_config(name), f, indent=1)
+    os.makedirs(os.path.join(dest, "tokenizer"), exist_ok=True)
+    for t in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tokenizer_dir, t)):
+            shutil.copy(os.path.join(tokenizer_dir, t), os.path.join(dest, "tokenizer", t))
 
 
 def folder_bytes(path: str) -> int:
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     download_wheels(os.path.join(args.out, "wheels"))
     wheel = args.flashinfer_wheel or fetch_flashinfer(args.work)
     kept = trim_flashinfer(wheel, os.path.join(args.out, "flashinfer_site.zip"))
-    write_models(os.path.join(args.out, "models"), resolve_model_dir(None))
+    write_models(args.out, resolve_model_dir(None))
     with open(os.path.join(args.out, "MANIFEST.json"), "w") as f:
         json.dump({"flashinfer_wheel": os.path.basename(wheel), "flashinfer_kept_bytes": kept,
                    "wheels": sorted(os.listdir(os.path.join(args.out, "wheels"))),

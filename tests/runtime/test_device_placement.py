@@ -141,13 +141,42 @@ def test_the_tp_step_message_is_built_on_the_host_from_device_tensors(monkeypatc
                             out_cache_loc=r2t[1, :2].to(torch.int64), logit_rows=torch.tensor([1, 2]),
                             prompt_lens=[5, 1])
         comm = distributed.DistComm(0, 2, "cuda")
-        distributed.send_step(comm, inputs, r2t)
+        followers = torch.zeros_like(r2t)  # rank 0's copy of the followers' table, where the table lives
+        distributed.send_step(comm, inputs, r2t, followers)
         assert all(t.device.type == "cuda" for t in sent)  # nccl moves device tensors
     header, payload = sent
     assert header.tolist() == [distributed.MSG_STEP, int(ForwardMode.EXTEND), 2, 3, 2, 3]
     # ids, positions, req rows, seq lens, prefix lens, extend lens, prompt lens, out_cache_loc, logit rows,
-    # r2t entries
-    assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 5, 1, 10, 11, 1, 2, 10, 11, 20]
+    # changed r2t entries (rows, columns, slots)
+    assert payload.tolist() == [7, 8, 9, 0, 1, 0, 1, 2, 2, 1, 0, 0, 2, 1, 5, 1, 10, 11, 1, 2,
+                                1, 1, 2, 0, 1, 0, 10, 11, 20]
+    assert followers[1, :2].tolist() == [10, 11] and followers[2, :1].tolist() == [20]
+
+
+def test_tp_steps_send_only_the_req_to_token_entries_that_changed():
+    # #39: each step broadcast every request's whole row; a decode step changes one entry per request, and
+    # whatever rank 0 rewrote between steps (a radix insert, a reused row) must still reach the followers
+    from radixlang.runtime.model_executor.distributed import req_to_token_changes
+
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    table[0, :40] = torch.arange(1, 41)
+    table[2, :30] = torch.arange(100, 130)
+    followers = torch.zeros_like(table)
+    rows = torch.tensor([0, 2])
+    first = req_to_token_changes(table, followers, rows, [40, 30])
+    assert first.shape == (3, 70)
+    table[0, 40], table[2, 30] = 41, 130  # a decode step: one new slot each
+    step = req_to_token_changes(table, followers, rows, [41, 31])
+    assert step.tolist() == [[0, 2], [40, 30], [41, 130]]
+    table[2, 5:10] = torch.arange(500, 505)  # rank 0 points request 2 at the tree's copy of its prefix
+    table[2, 31] = 131
+    step = req_to_token_changes(table, followers, rows, [41, 32])
+    assert step.tolist() == [[2] * 6, [5, 6, 7, 8, 9, 31], [500, 501, 502, 503, 504, 131]]
+    # what the followers hold, kept by applying the changes, equals rank 0's rows as far as the batch reads
+    assert torch.equal(followers[0, :41], table[0, :41]) and torch.equal(followers[2, :32], table[2, :32])
+    table[3, :8] = 7  # a row beyond the batch, or past a request's length, is not sent
+    table[0, 50] = 9
+    assert req_to_token_changes(table, followers, rows, [41, 32]).shape == (3, 0)
 
 
 def test_the_padding_row_is_reserved_for_cuda_graph_padding():
@@ -194,20 +223,131 @@ def test_the_captured_decode_forward_reads_nothing_back_from_the_device(tiny_mod
         assert out.untyped_storage().data_ptr() == runner._graph_logits.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("dtype,want", [("auto", "flashinfer"), ("bfloat16", "flashinfer"), ("float16", "flashinfer"),
-                                        ("float32", "triton")])
-def test_cuda_resolves_float32_to_triton_not_flashinfer(monkeypatch, dtype, want):
-    # FlashInfer runs float16 / bfloat16 only: float32 on CUDA must not pick it (it would refuse at start)
+def _toolchain(tmp_path, monkeypatch, *tools: str) -> None:
+    """A PATH holding only executables named ``tools`` (stand-ins that do nothing), no CUDA toolkit elsewhere,
+    and FlashInfer's cache in an empty folder."""
+    from radixlang.kernels.attention import flashinfer_probe
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in tools:
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    for var in ("CUDA_HOME", "CUDA_PATH", "FLASHINFER_NVCC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi_cache"))
+    monkeypatch.setattr(flashinfer_probe, "DEFAULT_CUDA_HOME", str(tmp_path / "no_cuda"))
+
+
+def _stub_flashinfer(tmp_path, monkeypatch):
+    """``import flashinfer`` works (as it does without nvcc); its package folder has no prebuilt kernels."""
     import sys
     import types
 
+    pkg = tmp_path / "site" / "flashinfer"
+    pkg.mkdir(parents=True, exist_ok=True)
+    stub = types.ModuleType("flashinfer")
+    stub.__file__ = str(pkg / "__init__.py")
+    monkeypatch.setitem(sys.modules, "flashinfer", stub)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    return pkg
+
+
+@pytest.mark.parametrize("dtype,want", [("auto", "flashinfer"), ("bfloat16", "flashinfer"), ("float16", "flashinfer"),
+                                        ("float32", "triton")])
+def test_cuda_resolves_float32_to_triton_not_flashinfer(monkeypatch, tmp_path, dtype, want):
+    # FlashInfer runs float16 / bfloat16 only: float32 on CUDA must not pick it (it would refuse at start);
+    # nvcc and ninja are there, so FlashInfer could compile
     from radixlang.runtime.server_args import ServerArgs
 
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    _stub_flashinfer(tmp_path, monkeypatch)
+    _toolchain(tmp_path, monkeypatch, "nvcc", "ninja")
     args = ServerArgs(device="cuda", dtype=dtype).resolve()
     assert args.attention_backend == want
     assert args.dtype == ("bfloat16" if dtype == "auto" else dtype)
+
+
+def test_auto_picks_triton_when_flashinfer_cannot_compile(monkeypatch, tmp_path, caplog):
+    # #39: `import flashinfer` works without nvcc, then its JIT fails inside graph capture and the server dies;
+    # auto must see that it cannot build its kernels and run triton, and say why
+    import logging
+
+    import torch
+
+    from radixlang.runtime.server_args import ServerArgs
+
+    _stub_flashinfer(tmp_path, monkeypatch)
+    _toolchain(tmp_path, monkeypatch, "ninja")  # no nvcc anywhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level(logging.INFO, logger="radixlang.runtime.server_args"):
+        args = ServerArgs().resolve()
+    assert args.device == "cuda" and args.attention_backend == "triton"
+    why = " ".join(r.getMessage() for r in caplog.records)
+    assert "auto -> triton" in why and "no nvcc" in why
+
+
+def test_auto_picks_flashinfer_with_prebuilt_kernels_and_no_nvcc(monkeypatch, tmp_path):
+    from radixlang.runtime.server_args import ServerArgs
+
+    _toolchain(tmp_path, monkeypatch)  # neither nvcc nor ninja
+    pkg = _stub_flashinfer(tmp_path, monkeypatch)
+    assert ServerArgs(device="cuda").resolve().attention_backend == "triton"
+    # modules FlashInfer's JIT left in its cache on an earlier run
+    cached = tmp_path / "fi_cache" / ".cache" / "flashinfer" / "90a" / "cached_ops"
+    for name in ("batch_prefill_with_kv_cache_bf16_128", "batch_decode_with_kv_cache_bf16_128"):
+        (cached / name).mkdir(parents=True)
+        (cached / name / f"{name}.so").write_bytes(b"")
+    assert ServerArgs(device="cuda").resolve().attention_backend == "flashinfer"
+    # or kernels compiled ahead of time inside the package
+    import shutil
+    shutil.rmtree(tmp_path / "fi_cache")
+    (pkg / "data" / "aot").mkdir(parents=True)
+    (pkg / "data" / "aot" / "kernels.so").write_bytes(b"")
+    assert ServerArgs(device="cuda").resolve().attention_backend == "flashinfer"
+
+
+@pytest.mark.parametrize("dp,tp,gpus,want", [(2, 1, 2, [[0], [1]]), (2, 2, 4, [[0, 1], [2, 3]]),
+                                             (3, 1, 4, [[0], [1], [2]])])
+def test_dp_replica_i_runs_on_its_own_gpus(dp, tp, gpus, want):
+    # #39: every dp replica used to land on cuda:0
+    from radixlang.runtime.model_executor.tp_leader import cuda_device_index
+    from radixlang.runtime.server_args import ServerArgs
+
+    args = ServerArgs(device="cuda", dp_size=dp, tp_size=tp)
+    got = [[cuda_device_index(args.for_replica(i), r, gpus) for r in range(tp)] for i in range(dp)]
+    assert got == want
+    with pytest.raises(ValueError, match=f"found {dp * tp - 1} GPU"):
+        cuda_device_index(args.for_replica(dp - 1), tp - 1, dp * tp - 1)
+    shifted = ServerArgs(device="cuda", dp_size=dp, tp_size=tp, base_gpu_id=1)
+    assert cuda_device_index(shifted.for_replica(dp - 1), tp - 1, 8) == dp * tp
+
+
+def test_each_replica_sets_its_gpu_before_building(tiny_model_dir, monkeypatch):
+    # the runner makes its replica's GPU the current device (per thread) before it allocates anything
+    import dataclasses
+
+    import torch
+
+    from radixlang.runtime.model_executor import model_runner
+
+    devices: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, args):
+        raise Stop
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_build", stop)
+    args = dataclasses.replace(_args(tiny_model_dir, "cuda"), dp_size=2)
+    for i in range(2):
+        with pytest.raises(Stop):
+            model_runner.ModelRunner(args.for_replica(i))
+    assert devices == [0, 1]
 
 
 def test_cuda_graph_flags_are_validated_and_read():

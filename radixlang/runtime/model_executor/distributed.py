@@ -19,7 +19,7 @@ from radixlang.runtime.model_executor.forward_batch import StepInputs
 _COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
 
 MSG_STOP, MSG_STEP = 0, 1
-HEADER_LEN = 6  # [kind, forward mode, batch size, num tokens, num logit rows, num req_to_token entries]
+HEADER_LEN = 6  # [kind, forward mode, batch size, num tokens, num logit rows, num changed req_to_token entries]
 
 
 class DistComm:
@@ -68,23 +68,45 @@ def free_port() -> int:
 
 
 # ---- the step message ----------------------------------------------------------------------------
-def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor) -> None:
-    """Rank 0: broadcast one forward's inputs and the req_to_token entries the batch reads."""
+def req_to_token_changes(req_to_token: torch.Tensor, sent: torch.Tensor, req_pool_indices: torch.Tensor,
+                         seq_lens: list[int]) -> torch.Tensor:
+    """The req_to_token entries the batch reads that differ from what the followers hold, as [3, n] int64
+    (row, column, slot) on the host; ``sent`` (rank 0's copy of the followers' table, same shape and device
+    as ``req_to_token``) is brought up to date.
+
+    Mostly the step's new slots, one per request in decode; whatever rank 0 rewrote between steps comes too
+    (a radix-cache insert points a running request at the tree's copy of its prefix and frees its duplicate
+    slots for reuse; a reused request row holds the previous request's entries), so the followers read the
+    same KV slots as rank 0. The rows are compared where they live; only the changes cross the group.
+    """
+    dev = req_to_token.device
+    width = max(seq_lens, default=0)
+    rows = req_pool_indices.to(device=dev, dtype=torch.int64)
+    cur = req_to_token[rows, :width]  # [bs, width] int32
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+    changed = (cur != sent[rows, :width]) & (torch.arange(width, device=dev)[None, :] < lens[:, None])
+    at = changed.nonzero()  # [n, 2]: (batch row, column); one device-to-host sync for the count
+    row_ids, cols = rows[at[:, 0]], at[:, 1]
+    values = cur[at[:, 0], cols]
+    sent[row_ids, cols] = values
+    return torch.stack([row_ids, cols, values.to(torch.int64)]).cpu()
+
+
+def send_step(comm: DistComm, inputs: StepInputs, req_to_token: torch.Tensor, sent: torch.Tensor) -> None:
+    """Rank 0: broadcast one forward's inputs and the req_to_token entries the batch reads that changed since
+    the followers last got them (``req_to_token_changes``)."""
     seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.int64)
     # the payload is built on the host (out_cache_loc and req_to_token may be on the device) and moved once
-    # the KV slots of every token of every request in the batch, up to its length after this step: whole
-    # rows, not just the new slots, because rank 0 rewrites rows between steps (a radix-cache insert points
-    # a running request at the tree's copy of its prefix and frees its duplicate slots for reuse)
-    r2t = torch.cat([req_to_token[i, :n] for i, n in zip(inputs.req_pool_indices.tolist(), inputs.seq_lens)])
+    changes = req_to_token_changes(req_to_token, sent, inputs.req_pool_indices, inputs.seq_lens)
     header = [MSG_STEP, int(inputs.mode), len(inputs.seq_lens), int(inputs.input_ids.numel()),
-              int(inputs.logit_rows.numel()), int(r2t.numel())]
+              int(inputs.logit_rows.numel()), int(changes.shape[1])]
     payload = torch.cat([inputs.input_ids, inputs.positions, inputs.req_pool_indices, seq_lens,
                          torch.tensor(inputs.prefix_lens, dtype=torch.int64),
                          torch.tensor(inputs.extend_lens, dtype=torch.int64),
                          torch.tensor(inputs.prompt_lens or [0] * len(inputs.seq_lens), dtype=torch.int64),
                          inputs.out_cache_loc.to(device="cpu", dtype=torch.int64),
                          inputs.logit_rows.to(device="cpu", dtype=torch.int64),
-                         r2t.to(device="cpu", dtype=torch.int64)])
+                         changes.flatten()])
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=comm.comm_device), src=0)
     dist.broadcast(payload.to(comm.comm_device), src=0)
 
@@ -95,7 +117,8 @@ def send_stop(comm: DistComm) -> None:
 
 
 def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
-    """Followers: the next step's inputs and req_to_token entries [sum(seq_lens)] int64; None at stop."""
+    """Followers: the next step's inputs and the changed req_to_token entries [3, n] int64 (row, column,
+    slot); None at stop."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.comm_device)
     dist.broadcast(header, src=0)
     kind, mode, bs, num_tokens, num_rows, num_r2t = header.tolist()
@@ -103,7 +126,7 @@ def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
         return None
     if kind != MSG_STEP:
         raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
-    sizes = [num_tokens, num_tokens, bs, bs, bs, bs, bs, num_tokens, num_rows, num_r2t]
+    sizes = [num_tokens, num_tokens, bs, bs, bs, bs, bs, num_tokens, num_rows, 3 * num_r2t]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=comm.comm_device)
     dist.broadcast(payload, src=0)
     (input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, prompt_lens, out_cache_loc,
@@ -113,4 +136,4 @@ def recv_step(comm: DistComm) -> tuple[StepInputs, torch.Tensor] | None:
                         prefix_lens=prefix_lens.tolist(), extend_lens=extend_lens.tolist(),
                         out_cache_loc=out_cache_loc, logit_rows=logit_rows,
                         prompt_lens=prompt_lens.tolist() if bool(prompt_lens.any()) else None)
-    return inputs, r2t
+    return inputs, r2t.view(3, num_r2t)

@@ -29,7 +29,9 @@ from radixlang.runtime.models.decode_stack import DecodeStack
 from radixlang.runtime.models.gguf_quant import gguf_replaced_params
 from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
-from radixlang.runtime.model_executor.tp_leader import TPLeader, exit_with_parent, ranks_per_node
+from radixlang.runtime.model_executor.kv_sizing import (CPU_MAX_TOKENS, CUDA_MEM_FRACTION, KVPoolSize,
+                                                         cpu_default_fraction, host_memory, size_kv_pool)
+from radixlang.runtime.model_executor.tp_leader import TPLeader, cuda_device_index, exit_with_parent, ranks_per_node
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class ModelRunner:
         # bfloat16 ran ~6x slower than in float32 here (no AMX), and the KV gather is not the bottleneck
         self.kv_dtype = torch.float32 if self.device == "cpu" else self.dtype
         self.tp_leader = None
+        if self.device == "cuda" and tp is None and torch.cuda.is_available():
+            # rank 0 of its replica: the replica's first GPU (followers set theirs before joining the group);
+            # the current device is per thread, and this thread builds and runs the replica
+            torch.cuda.set_device(cuda_device_index(args, 0, torch.cuda.device_count()))
         if args.tp_size > 1 and tp is None:  # rank 0: refuse a bad split before starting any process
             check_tensor_parallel(read_config(resolve_model_dir(args.model_path, args.load_format)), args.tp_size)
             self.tp_leader = TPLeader.start(args, follower_main)
@@ -88,7 +94,7 @@ class ModelRunner:
             quantize_model_(self.model, args.quantization, self.device,
                             gguf_path=gguf_path,
                             prefill_copies=not args.disable_weight_packing,
-                            prefill_copy_bytes=int(PREFILL_COPY_SHARE * _host_available_bytes()))
+                            prefill_copy_bytes=int(PREFILL_COPY_SHARE * host_memory()[1]))
         if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)
@@ -101,12 +107,17 @@ class ModelRunner:
         model_ctx = rope_context_length(self.hf_config)
         self.context_len = min(args.context_length or model_ctx, model_ctx)
         self.layer_windows = self._swa_layer_windows(args)
-        self.max_total_tokens = args.max_total_tokens or self._auto_kv_tokens()
+        kv_size = self._size_kv_pool(args)
+        if kv_size.warning:
+            logger.warning("KV pool: %s", kv_size.warning)
+        self.max_total_tokens = kv_size.tokens
         self.max_running = min(args.max_running_requests, self.max_total_tokens)
         if self.tp is not None:  # every rank sizes its pools like rank 0: same slots, its own heads
             self.max_total_tokens, self.max_running, self.context_len = self.tp.broadcast_ints(
                 [self.max_total_tokens, self.max_running, self.context_len])
         self.req_to_token_pool = ReqToTokenPool(self.max_running + 8, self.context_len + 8, self.device)
+        # rank 0's copy of the followers' req_to_token (all zeros, as theirs start): each step sends the changes
+        self._tp_sent = torch.zeros_like(self.req_to_token_pool.req_to_token) if self.tp_leader else None
         self.kv_pool = self._make_kv_pool(self.max_total_tokens)
         self.attn_backend = _create_attn_backend(args.attention_backend, num_heads=self.model.num_heads,
                                                  num_kv_heads=self.model.num_kv_heads,
@@ -115,10 +126,11 @@ class ModelRunner:
         check_backend_features(self.model, self.attn_backend, args.attention_backend)
         swa = f", window layers' KV in {self.kv_pool.swa_size} swa slots" \
             if isinstance(self.kv_pool, SWATokenToKVPool) else ""
-        logger.info("model %s: %d layers, kv pool %d tokens%s (%.1f MiB, %d bytes per token), context %d, "
+        logger.info("model %s: %d layers, kv pool %d tokens%s (%.1f MiB, %d bytes per token; %s), context %d, "
                     "attention %s%s", self.model_path, self.hf_config.num_hidden_layers, self.max_total_tokens,
-                    swa, self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, self.context_len,
-                    args.attention_backend, f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
+                    swa, self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, kv_size.how,
+                    self.context_len, args.attention_backend,
+                    f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
 
     def _swa_layer_windows(self, args: ServerArgs) -> list[int | None] | None:
         """Each layer's window where window layers get a slot space of their own (some window is shorter
@@ -178,25 +190,38 @@ class ModelRunner:
         return (TokenToKVPool.layers_bytes_per_token(full, self.kv_dtype)
                 + self.args.swa_full_tokens_ratio * TokenToKVPool.layers_bytes_per_token(swa, self.kv_dtype))
 
-    def _auto_kv_tokens(self) -> int:
+    def _size_kv_pool(self, args: ServerArgs) -> KVPoolSize:
+        """The pool's tokens from the device's total memory and the model (kv_sizing.py), or as asked."""
         # the model's real per-token KV bytes (layers may differ in kv heads and head size; MLA caches a latent;
         # window layers hold a share of the tokens)
         per_token = self._per_token_bytes()
         if self.device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
+            if args.max_total_tokens is not None and not torch.cuda.is_available():  # a test's emulated device
+                return KVPoolSize(args.max_total_tokens, "max_total_tokens", None)
+            available, total = torch.cuda.mem_get_info()
+            model_bytes = torch.cuda.memory_allocated()  # the weights and whatever else this process holds
+            fraction = args.mem_fraction_static or CUDA_MEM_FRACTION
+            max_tokens = None
         else:
-            free = _host_available_bytes()
-        tokens = int(int(free * self.args.mem_fraction_static) // per_token)
-        return max(256, min(tokens, 1 << 20))
+            # every process of the node (dp replicas x local tp ranks) shares the host: each sizes its own share
+            procs = args.dp_size * ranks_per_node(args)
+            total, available = (n // procs for n in host_memory())
+            model_bytes = _module_bytes(self.model)
+            fraction = args.mem_fraction_static or cpu_default_fraction(total, model_bytes)
+            max_tokens = CPU_MAX_TOKENS
+        return size_kv_pool(total_bytes=total, available_bytes=available, model_bytes=model_bytes,
+                            per_token_bytes=per_token, fraction=fraction, asked_tokens=args.max_total_tokens,
+                            max_tokens=max_tokens)
 
     # ---- CUDA graphs (decode) ----
     def _init_cuda_graphs(self, args: ServerArgs) -> CudaGraphRunner | None:
         """Capture decode at batch sizes 1, 2, 4, 8, 16, 24, ... up to ``cuda_graph_max_bs``; None when decode
-        runs eagerly (the CPU, --disable-cuda-graph, tensor parallelism, a backend without graph support)."""
+        runs eagerly (the CPU, --disable-cuda-graph, a backend without graph support).
+
+        Under tensor parallelism every rank captures the same sizes at the same point of its start (the
+        graphs hold the nccl all-reduces and all-gathers of the layers), and replays the same graph for a
+        step: the batch size decides, and every rank runs the same batch."""
         if self.device != "cuda" or args.disable_cuda_graph:
-            return None
-        if self.tp is not None:  # graphs with nccl all-reduces inside are not tested yet
-            logger.info("tensor parallelism: decode runs eagerly (no CUDA graphs)")
             return None
         if not isinstance(self.attn_backend, GraphAttnBackend):
             logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly", args.attention_backend)
@@ -236,7 +261,7 @@ class ModelRunner:
         if self.tp_leader is None:
             return self.run_step(inputs)
         with self._tp_lock:
-            send_step(self.tp, inputs, self.req_to_token_pool.req_to_token)
+            send_step(self.tp, inputs, self.req_to_token_pool.req_to_token, self._tp_sent)
             return self.run_step(inputs)
 
     def run_step(self, inputs: StepInputs) -> torch.Tensor:
@@ -283,7 +308,7 @@ def follower_main(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) 
     exit_with_parent(parent_pid)
     local_rank = rank % ranks_per_node(args)
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(cuda_device_index(args, local_rank, torch.cuda.device_count()))
     elif args.num_threads:
         torch.set_num_threads(args.num_threads)
     comm = init_group(rank=rank, size=args.tp_size, init_addr=init_addr, device=args.device)
@@ -291,24 +316,20 @@ def follower_main(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) 
     pool = runner.req_to_token_pool.req_to_token
     steps = 0
     while (msg := recv_step(comm)) is not None:
-        inputs, r2t = msg
-        # rank 0's req_to_token entries for the rows this batch reads: [req, 0 .. seq_len)
-        lens = torch.tensor(inputs.seq_lens)
-        rows = torch.repeat_interleave(inputs.req_pool_indices, lens)
-        cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        pool[rows.to(pool.device), cols.to(pool.device)] = r2t.to(device=pool.device, dtype=pool.dtype)
+        inputs, (rows, cols, slots) = msg
+        # the entries of rank 0's req_to_token this batch reads that changed since the last step
+        pool[rows.to(pool.device), cols.to(pool.device)] = slots.to(device=pool.device, dtype=pool.dtype)
         runner.run_step(inputs)
         steps += 1
     logger.info("tp rank %d stopping after %d steps", rank, steps)
     comm.close()
 
 
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+def _module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -30,10 +30,22 @@ def ranks_per_node(args: ServerArgs) -> int:
     return args.tp_size // args.nnodes
 
 
+def cuda_device_index(args: ServerArgs, local_rank: int, device_count: int) -> int:
+    """The GPU of this node's tensor-parallel rank ``local_rank`` of the replica ``args`` belong to (its
+    ``base_gpu_id``, set per dp replica by ``ServerArgs.for_replica``): replica i, rank r -> base + r."""
+    index = args.base_gpu_id + local_rank
+    if index >= device_count:
+        per_node = ranks_per_node(args)
+        raise ValueError(f"tensor-parallel rank {local_rank} of the replica starting at GPU {args.base_gpu_id} needs "
+                         f"GPU {index}, found {device_count} GPU(s): dp_size {args.dp_size} x tp_size {args.tp_size} "
+                         f"over {args.nnodes} node(s) needs {args.dp_size * per_node} GPUs per node, from "
+                         f"base_gpu_id on")
+    return index
+
+
 def _check_devices(args: ServerArgs) -> None:
-    if args.device == "cuda" and torch.cuda.device_count() < ranks_per_node(args):
-        raise ValueError(f"tp_size {args.tp_size} over {args.nnodes} node(s) needs {ranks_per_node(args)} GPUs "
-                         f"per node, found {torch.cuda.device_count()}")
+    if args.device == "cuda":
+        cuda_device_index(args, ranks_per_node(args) - 1, torch.cuda.device_count())
 
 
 class TPLeader:
@@ -51,7 +63,7 @@ class TPLeader:
             raise RuntimeError(f"only node 0 hosts tensor-parallel rank 0, this is node {args.node_rank}")
         _check_devices(args)
         if args.device == "cuda":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(cuda_device_index(args, 0, torch.cuda.device_count()))
         init_addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
         procs = _spawn_ranks(args, range(1, ranks_per_node(args)), init_addr, follower_main)
         try:
