@@ -56,13 +56,27 @@ sampled: report them as the model's (an extend computes them) or as None.
 
 from __future__ import annotations
 
-from radixlang.constrained.compiler import BACKENDS, GrammarCompiler, GrammarCompileTimeout
-from radixlang.constrained.errors import UnsupportedGrammar
-from radixlang.constrained.grammar import CompiledGrammar, Grammar, pack_token_ids
-from radixlang.constrained.reasoning import FreeTextMasks, ReasoningGrammar
-from radixlang.constrained.json_regex import any_json_object_regex, any_json_value_regex, json_schema_to_regex
-from radixlang.constrained.state import GrammarState
-from radixlang.constrained.tokenizer_info import TokenizerInfo
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixlang.constrained.compiler import BACKENDS, GrammarCompiler, GrammarCompileTimeout
+    from radixlang.constrained.errors import UnsupportedGrammar
+    from radixlang.constrained.grammar import CompiledGrammar, Grammar, pack_token_ids
+    from radixlang.constrained.json_regex import any_json_object_regex, any_json_value_regex, json_schema_to_regex
+    from radixlang.constrained.reasoning import FreeTextMasks, ReasoningGrammar
+    from radixlang.constrained.state import GrammarState
+    from radixlang.constrained.tokenizer_info import TokenizerInfo
+
+# name -> its module, imported on first use: the compile worker process imports this package and,
+# for outlines and llguidance, must not pay for torch (grammar.py and the masks import it)
+_EXPORTS = {
+    "BACKENDS": "compiler", "GrammarCompiler": "compiler", "GrammarCompileTimeout": "compiler",
+    "UnsupportedGrammar": "errors", "CompiledGrammar": "grammar", "Grammar": "grammar", "pack_token_ids": "grammar",
+    "FreeTextMasks": "reasoning", "ReasoningGrammar": "reasoning", "GrammarState": "state",
+    "TokenizerInfo": "tokenizer_info", "any_json_object_regex": "json_regex", "any_json_value_regex": "json_regex",
+    "json_schema_to_regex": "json_regex",
+}
 
 __all__ = [
     "BACKENDS", "CompiledGrammar", "FreeTextMasks", "Grammar", "GrammarCompileTimeout", "GrammarCompiler",
@@ -70,3 +84,10 @@ __all__ = [
     "TokenizerInfo", "UnsupportedGrammar", "any_json_object_regex", "any_json_value_regex",
     "json_schema_to_regex", "pack_token_ids",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixlang.constrained' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"radixlang.constrained.{module}"), name)

@@ -1,47 +1,28 @@
 """The llguidance backend: regex, JSON schema, EBNF (Lark, or GBNF converted by llguidance) and
-structural tags."""
+structural tags.
+
+The grammar text comes from llguidance_compile.py (in the compile worker process); here it
+becomes one template matcher per compiled grammar, which each request's matcher is copied from.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import llguidance as llg
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
 
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
-from radixlang.constrained.schema_policy import prepare_schema
-from radixlang.constrained.structural_tag import parse_structural_tag
+from radixlang.constrained.llguidance_compile import JSON_OPTIONS, LLGuidanceCompiler
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 KINDS = ("regex", "json", "ebnf", "structural_tag")
-# compact separators, as the outlines backend writes JSON by default
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class _ByteTokenizer:
-    """What llguidance's TokenizerWrapper reads: token bytes, specials, and a (byte by byte) encoder."""
-
-    def __init__(self, info: TokenizerInfo) -> None:
-        self.eos_token_id = info.eos_token_ids[0]
-        self.bos_token_id = None
-        # tokens without bytes are special: llguidance spells them 0xFF + a name and never matches them as text
-        self.tokens = [b if b else b"\xff<|special_%d|>" % i for i, b in enumerate(info.token_bytes)]
-        self.special_token_ids = [i for i, b in enumerate(info.token_bytes) if not b]
-        self._single = info.single_byte_ids
-
-    def __call__(self, data: bytes) -> list[int]:
-        return [self._single[b] for b in data if self._single[b] >= 0]
+__all__ = ["JSON_OPTIONS", "KINDS", "LLGuidanceBackend", "LLGuidanceGrammar"]
 
 
 class LLGuidanceGrammar(MatcherGrammar):
     def _new_matcher(self) -> Any:
-        compiled = self.compiled.handle
-        matcher = llg.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        return matcher
+        # a copy of the template: building a matcher parses the whole grammar again
+        return self.compiled.handle.template.deep_copy()
 
     def _fork(self) -> Any:
         return self.matcher.deep_copy()
@@ -61,14 +42,9 @@ class LLGuidanceGrammar(MatcherGrammar):
         return bytes(self.matcher.compute_ff_bytes())
 
 
-def _lark_str(text: str) -> str:
-    """A Lark string literal for text (nothing for the empty string)."""
-    return json.dumps(text) if text else ""
-
-
 class _Handle:
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
-        self.tokenizer, self.grammar = tokenizer, grammar
+    def __init__(self, grammar: str, template: Any) -> None:
+        self.grammar, self.template = grammar, template
 
 
 class LLGuidanceBackend:
@@ -77,58 +53,19 @@ class LLGuidanceBackend:
 
     def __init__(self, info: TokenizerInfo, *, whitespace_pattern: str | None = None) -> None:
         self.info = info
-        self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer(info)), n_vocab=info.vocab_size,
-                                          eos_token=list(info.eos_token_ids))
+        self.compiler = LLGuidanceCompiler(info, whitespace_pattern=whitespace_pattern)
         self._base = spellable_mask(info)
         self.whitespace_pattern = whitespace_pattern
 
     def json_options(self) -> dict[str, Any]:
-        """llguidance's JSON options: compact separators, or whitespace_pattern between every JSON token."""
-        if self.whitespace_pattern is None:
-            return JSON_OPTIONS
-        return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern,
-                "item_separator": ",", "key_separator": ":"}
+        return self.compiler.json_options()
 
     def build(self, kind: str, spec: str | None, schema: Any = None) -> MatcherCompiled:
-        if kind == "regex":
-            grammar = llg.LLMatcher.grammar_from_regex(spec)
-        elif kind == "json":
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                {"type": "object"} if schema is None else schema, overrides=self.json_options())
-        elif kind == "ebnf":
-            try:
-                lark = any_to_lark(spec)  # GBNF (root ::= ...) is converted, Lark passes through
-            except Exception as e:  # the converter raises bare exceptions for GBNF it can't read
-                raise ValueError(f"invalid ebnf grammar for llguidance: {str(e)[:300]}") from None
-            grammar = llg.LLMatcher.grammar_from_lark(lark)
-        elif parse_structural_tag(spec).forced:  # type: ignore[arg-type]
-            grammar = self._forced_tag(spec)
-        else:
-            tag = parse_structural_tag(spec)  # type: ignore[arg-type]
-            schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
-            options = self.json_options()
-            tags = [llg.StructTag(trigger=tag.trigger_of(s), begin=s.begin, end=s.end,
-                                  grammar={**(schema if isinstance(schema, dict) else {}), "x-guidance": options})
-                    for s, schema in zip(tag.structures, schemas) if schema is not False]
-            if not tags:
-                raise ValueError("invalid structural_tag grammar: every structure has the schema false")
-            grammar = llg.StructTag.to_grammar(tags, assume_special=False)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            message = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "invalid"
-            raise ValueError(f"invalid {kind} grammar for llguidance: {message[:300]}")
-        return MatcherCompiled(backend=self.name, kind=kind, spec=spec, handle=_Handle(self._tokenizer, grammar),
-                               tokenizer_info=self.info, grammar_cls=LLGuidanceGrammar, base_mask=self._base)
+        """Compile in this process (the compile worker calls ``LLGuidanceCompiler.grammar`` instead)."""
+        return self.load(kind, spec, self.compiler.grammar(kind, spec, schema))
 
-    def _forced_tag(self, spec: str | None) -> str:
-        """A forced structural tag as Lark: prefix, the structures (each a JSON body) joined by separator, suffix."""
-        tag = parse_structural_tag(spec)  # type: ignore[arg-type]
-        options = self.json_options()
-        rules = []
-        for i, s in enumerate(tag.structures):
-            schema = prepare_schema(s.schema, self.name, "structural_tag")
-            body = {**schema, "x-guidance": options} if isinstance(schema, dict) else schema
-            rules.append(f"call_{i}: {_lark_str(s.begin)} %json {json.dumps(body)} {_lark_str(s.end)}")
-        more = "" if tag.stop_after_first else f" ({_lark_str(tag.separator)} call)*"
-        return "\n".join([f"start: {_lark_str(tag.prefix)} call{more} {_lark_str(tag.suffix)}",
-                          "call: " + " | ".join(f"call_{i}" for i in range(len(rules))), *rules]) + "\n"
+    def load(self, kind: str, spec: str | None, grammar: str) -> MatcherCompiled:
+        """The compiled grammar of validated grammar text (what the compile worker sends back)."""
+        return MatcherCompiled(backend=self.name, kind=kind, spec=spec,
+                               handle=_Handle(grammar, self.compiler.matcher(grammar)),
+                               tokenizer_info=self.info, grammar_cls=LLGuidanceGrammar, base_mask=self._base)

@@ -21,6 +21,7 @@ Two keywords get special handling before the check:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -61,6 +62,26 @@ _DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-
          f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 EXACT_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
+# The keyword check runs in the compile worker before the compile; its work is bounded (about a second
+# per 100,000 units on a slow core) so that an oversized schema is refused by name, not by the timeout
+MAX_CHECK_WORK = 1_000_000
+
+
+class WorkBudget:
+    """Units of work left to one schema's keyword check; ``spend`` refuses (naming the field) when out."""
+
+    def __init__(self, limit: int = MAX_CHECK_WORK, param: str = "json_schema") -> None:
+        self.left = limit
+        self.limit = limit
+        self.param = param
+
+    def spend(self, units: int) -> None:
+        self.left -= units
+        if self.left < 0:
+            raise UnsupportedGrammar(f"{self.param}: the schema is too large to check (more than {self.limit} "
+                                     f"subschemas, branches and enum values in all)", self.param)
+
 
 # keyword -> how its value holds subschemas
 _SCHEMA_VALUED = ("additionalProperties", "items", "not", "contains", "if", "then", "else",
@@ -113,10 +134,13 @@ def _json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
+def _required(branch: dict) -> set[str]:
+    required = branch.get("required")
+    return {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+
+
 def _tags(branch: dict, prop: str) -> set[Any] | None:
     """The values a required property ``prop`` may take in an object branch (const / enum), else None."""
-    if prop not in (branch.get("required") or []):
-        return None
     sub = (branch.get("properties") or {}).get(prop)
     if not isinstance(sub, dict):
         return None
@@ -127,22 +151,43 @@ def _tags(branch: dict, prop: str) -> set[Any] | None:
     return None
 
 
-def one_of_is_disjoint(branches: list[Any], resolve: Any = None) -> bool:
-    """True when no JSON document can match two of ``branches`` (a sufficient check, not a complete one)."""
+def _numeric_as_one(types: set[str]) -> set[str]:
+    """Types with integer and number merged: 1 is both, so two branches allowing either overlap."""
+    return {"number" if t == "integer" else t for t in types}
+
+
+def _no_value_twice(groups: list[set[Any]], budget: WorkBudget) -> bool:
+    """True when no value is in two of ``groups`` (one pass over all values, not a pairwise walk)."""
+    seen: set[Any] = set()
+    for group in groups:
+        budget.spend(len(group))
+        if not seen.isdisjoint(group):
+            return False
+        seen |= group
+    return True
+
+
+def one_of_is_disjoint(branches: list[Any], resolve: Any = None, budget: WorkBudget | None = None) -> bool:
+    """True when no JSON document can match two of ``branches`` (a sufficient check, not a complete one).
+
+    Linear in the branches' size: each type and tag value is counted once, never compared
+    pairwise (a oneOf of thousands of tagged objects took seconds per level pairwise).
+    """
+    budget = budget if budget is not None else WorkBudget()
+    budget.spend(len(branches))
     resolved = [resolve(b) if resolve is not None else b for b in branches]
     kinds = [_types(b) for b in resolved]
-    if all(k is not None for k in kinds):
-        widened = [k | {"number"} if "integer" in k else k | {"integer"} if "number" in k else k
-                   for k in kinds]  # 1 is an integer and a number
-        if all(not (widened[i] & kinds[j]) for i in range(len(kinds)) for j in range(len(kinds)) if i != j):
-            return True
+    if all(k is not None for k in kinds) and \
+            _no_value_twice([_numeric_as_one(k) for k in kinds if k is not None], budget):
+        return True
     if not all(isinstance(b, dict) and _types(b) in ({"object"}, None) and "properties" in b for b in resolved):
         return False
-    common = set.intersection(*(set(b.get("required") or []) for b in resolved)) if resolved else set()
+    required = [_required(b) for b in resolved]
+    budget.spend(sum(len(r) for r in required))
+    common = set.intersection(*required) if required else set()  # props every branch requires
     for prop in sorted(common):
         tags = [_tags(b, prop) for b in resolved]
-        if all(t is not None for t in tags) and \
-                all(not (tags[i] & tags[j]) for i in range(len(tags)) for j in range(i + 1, len(tags))):
+        if all(t is not None for t in tags) and _no_value_twice(tags, budget):  # type: ignore[arg-type]
             return True
     return False
 
@@ -163,11 +208,16 @@ def _resolver(root: Any) -> Any:
     return resolve
 
 
-def check_schema(schema: Any, backend: str, param: str = "json_schema") -> None:
-    """Refuse (UnsupportedGrammar naming keyword and backend) a schema the backend would not enforce."""
+def check_schema(schema: Any, backend: str, param: str = "json_schema", budget: WorkBudget | None = None) -> None:
+    """Refuse (UnsupportedGrammar naming keyword and backend) a schema the backend would not enforce,
+    or one whose check would take more than ``budget`` (MAX_CHECK_WORK) units of work."""
     if backend not in ENFORCED_KEYWORDS:
         raise ValueError(f"unknown grammar backend {backend!r}: expected one of {sorted(ENFORCED_KEYWORDS)}")
-    _check_node(schema, "#", backend, param, _resolver(schema))
+    budget = budget if budget is not None else WorkBudget(param=param)
+    try:
+        _check_node(schema, "#", backend, param, _resolver(schema), budget)
+    except RecursionError:
+        raise UnsupportedGrammar(f"{param}: the schema nests too deeply to check", param) from None
 
 
 def _refuse(message: str, backend: str, param: str) -> UnsupportedGrammar:
@@ -175,7 +225,8 @@ def _refuse(message: str, backend: str, param: str) -> UnsupportedGrammar:
                               f"(choose another --grammar-backend or drop it)", param)
 
 
-def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -> None:
+def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any, budget: WorkBudget) -> None:
+    budget.spend(1)
     if isinstance(node, bool):
         return
     if not isinstance(node, dict):
@@ -193,13 +244,13 @@ def _check_node(node: Any, where: str, backend: str, param: str, resolve: Any) -
             raise _refuse(f"JSON-Schema format {value!r} (at {where})", backend, param)
         if key in _BOUNDS and backend == "outlines" and _types(node) != {"integer"}:
             raise _refuse(f"JSON-Schema keyword {key!r} on a non-integer (at {where})", backend, param)
-        if key == "oneOf" and isinstance(value, list) and not one_of_is_disjoint(value, resolve):
+        if key == "oneOf" and isinstance(value, list) and not one_of_is_disjoint(value, resolve, budget):
             raise _refuse(f"JSON-Schema keyword 'oneOf' with overlapping branches (at {where}; "
                           f"it is enforced as anyOf, exact only for disjoint branches)", backend, param)
         if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
             raise _refuse(f"JSON-Schema $ref {value!r} outside the schema (at {where})", backend, param)
     for sub_where, sub in _subschemas(node):
-        _check_node(sub, f"{where}/{sub_where}", backend, param, resolve)
+        _check_node(sub, f"{where}/{sub_where}", backend, param, resolve, budget)
 
 
 def exact_formats(node: Any) -> Any:
@@ -260,10 +311,26 @@ def close_objects(node: Any, in_all_of: bool = False) -> Any:
 
 def prepare_schema(schema: Any, backend: str, param: str = "json_schema") -> Any:
     """Check ``schema`` against the backend's policy and return what the backend is given."""
-    if "pattern" in ENFORCED_KEYWORDS.get(backend, ()):
-        schema = exact_formats(schema)  # else the format itself is refused
-    check_schema(schema, backend, param)
-    return one_of_as_any_of(close_objects(schema))
+    try:
+        if "pattern" in ENFORCED_KEYWORDS.get(backend, ()):
+            schema = exact_formats(schema)  # else the format itself is refused
+        check_schema(schema, backend, param)
+        return one_of_as_any_of(close_objects(schema))
+    except RecursionError:
+        raise UnsupportedGrammar(f"{param}: the schema nests too deeply to check", param) from None
+
+
+def load_schema(spec: str, backend: str, param: str = "json_schema") -> Any:
+    """A json_schema string parsed, checked against the backend's policy and prepared (oneOf as anyOf ...)."""
+    try:
+        parsed = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise UnsupportedGrammar(f"json schema must be valid JSON, got {spec[:80]!r}: {e}", param) from None
+    except RecursionError:
+        raise UnsupportedGrammar(f"{param}: the schema nests too deeply to read", param) from None
+    if not isinstance(parsed, (dict, bool)):
+        raise UnsupportedGrammar(f"json schema must be a JSON object, got {type(parsed).__name__}", param)
+    return prepare_schema(parsed, backend, param)
 
 
 # ---- --constrained-json-whitespace-pattern ---------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import xgrammar as xg
 
+from radixlang.constrained.errors import UnsupportedGrammar, one_line
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
 from radixlang.constrained.schema_policy import check_whitespace_pattern, prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
@@ -65,9 +66,18 @@ class XGrammarBackend:
                 handle = self._compiler.compile_grammar(spec)
             else:
                 handle = self._compiler.compile_structural_tag(self._structural_tag(spec))
+        except UnsupportedGrammar:  # a structure's schema refused by the keyword policy: keeps its field
+            raise
         except (RuntimeError, ValueError, TypeError) as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"invalid {kind} grammar for xgrammar: {message[:300]}") from None
+            message = one_line(str(e)) or type(e).__name__
+            raise ValueError(f"invalid {kind} grammar for xgrammar: {message}") from None
+        return self._compiled(kind, spec, handle)
+
+    def load(self, kind: str, spec: str | None, serialized: str) -> MatcherCompiled:
+        """The compiled grammar the compile worker sent (``CompiledGrammar.serialize_json``)."""
+        return self._compiled(kind, spec, xg.CompiledGrammar.deserialize_json(serialized, self._xg_info))
+
+    def _compiled(self, kind: str, spec: str | None, handle: Any) -> MatcherCompiled:
         return MatcherCompiled(backend=self.name, kind=kind, spec=spec, handle=handle, tokenizer_info=self.info,
                                grammar_cls=XGrammarGrammar, base_mask=self._base)
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 
 import pytest
 
-from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo
+from radixlang.constrained import (CompiledGrammar, Grammar, GrammarCompiler, GrammarCompileTimeout, TokenizerInfo,
+                                   UnsupportedGrammar)
 from radixlang.constrained.json_regex import any_json_object_regex, integer_range_regex, json_schema_to_regex
 
 ASCII = {chr(c): i for i, c in enumerate(range(32, 127))}
@@ -65,6 +68,20 @@ def test_invalid_grammars_raise_value_error(compiler, kind, spec, message):
         assert isinstance(compiler.compile_async(kind, spec).exception(timeout=30), ValueError)
 
 
+def test_the_schema_check_runs_in_the_worker_not_the_caller(compiler, monkeypatch):
+    from radixlang.constrained import schema_policy
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the keyword check ran in the caller's process")
+
+    monkeypatch.setattr(schema_policy, "check_schema", boom)  # this process only: the worker has its own
+    compiled = compiler.compile("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    assert isinstance(compiled, CompiledGrammar) and '"a"' in compiled.regex
+    with pytest.raises(UnsupportedGrammar, match="uniqueItems") as e:  # refused there, naming the field
+        compiler.compile("json", '{"type": "array", "uniqueItems": true}')
+    assert e.value.param == "json_schema"
+
+
 def test_timeout_fails_the_future_cleanly(smollm_info):
     c = GrammarCompiler(smollm_info, timeout_s=0.01, any_json_depth=2)
     fut = c.compile_async("json", None)      # takes ~1 s on the 49k vocabulary
@@ -76,22 +93,64 @@ def test_timeout_fails_the_future_cleanly(smollm_info):
     c.shutdown()
 
 
-def test_timed_out_build_is_shared_and_cached_when_done(smollm_info):
-    c = GrammarCompiler(smollm_info, timeout_s=0.01, any_json_depth=2)
-    builds = []
-    real_build = c._build
-    c._build = lambda key: (builds.append(key), real_build(key))[1]
-    first = c.compile_async("json", None)
-    assert isinstance(first.exception(timeout=60), GrammarCompileTimeout)
-    again = c.compile_async("json", None)    # the first build still runs: wait on it, don't start another
-    assert isinstance(again.exception(timeout=60), GrammarCompileTimeout)
-    deadline = time.monotonic() + 60
-    while c.cache_len() == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    compiled = c.compile_async("json", None).result(timeout=1)  # the late result serves later requests
-    assert isinstance(compiled, CompiledGrammar)
-    assert builds == [("json", None)]
+# outlines-core takes tens of seconds on this counted repetition over the 49k vocabulary
+SLOW_REGEX = "([a-z]{2}[0-9]){1,3000}"
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_timed_out_compile_is_killed_and_not_remembered(smollm_info):
+    c = GrammarCompiler(smollm_info, timeout_s=1.0)
+    try:
+        fut = c.compile_async("regex", SLOW_REGEX)
+        _wait_for(lambda: c.workers.num_compiling() == 1)
+        [pid] = c.workers.worker_pids()
+        exc = fut.exception(timeout=60)
+        assert isinstance(exc, GrammarCompileTimeout) and exc.param == "regex" and "longer than 1s" in str(exc)
+        # the compile did not run on: its worker process was killed and reaped
+        assert c.workers.num_compiling() == 0
+        assert not os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else True
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert c.cache_len() == 0  # not remembered: a later request compiles it again
+        compiled = c.compile("regex", "[ab]{2}")  # on a fresh worker
+        assert isinstance(compiled, CompiledGrammar) and compiled.regex == "[ab]{2}"
+        assert pid not in c.workers.worker_pids()
+    finally:
+        c.shutdown()
+
+
+def test_a_worker_that_dies_fails_only_its_grammar(smollm_info):
+    c = GrammarCompiler(smollm_info, timeout_s=600)
+    try:
+        fut = c.compile_async("regex", SLOW_REGEX)
+        _wait_for(lambda: c.workers.num_compiling() == 1)
+        [pid] = c.workers.compiling_pids()
+        os.kill(pid, signal.SIGKILL)  # as a library crash would end it
+        exc = fut.exception(timeout=60)
+        assert isinstance(exc, UnsupportedGrammar) and exc.param == "regex" and "crashed" in str(exc)
+        assert c.compile("regex", "[ab]{2}").regex == "[ab]{2}"
+    finally:
+        c.shutdown()
+
+
+def test_shutdown_stops_the_workers_and_fails_compiles_in_flight(smollm_info):
+    c = GrammarCompiler(smollm_info, timeout_s=600)
+    fut = c.compile_async("regex", SLOW_REGEX)
+    _wait_for(lambda: c.workers.num_compiling() == 1)
+    [pid] = c.workers.compiling_pids()
     c.shutdown()
+    with pytest.raises(ProcessLookupError):  # killed and reaped before shutdown returns
+        os.kill(pid, 0)
+    exc = fut.exception(timeout=60)
+    assert isinstance(exc, ValueError) and "shut down" in str(exc)
+    _wait_for(lambda: not c.workers.worker_pids())
+    assert isinstance(c.compile_async("regex", "a").exception(timeout=5), ValueError)
 
 
 def test_json_keys_are_jump_forwarded(smollm_compiler, smollm_tokenizer):

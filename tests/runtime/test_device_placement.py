@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from device_tags import DeviceMixError, FakeDeviceMode
+from waiting import GENEROUS
 
 
 def test_the_mode_catches_a_mix_and_allows_what_cuda_allows():
@@ -66,6 +67,9 @@ def _drive(scheduler) -> dict[str, list[int]]:
     for rid, ids in (("warm", prefix + [1]), ("cached", prefix + [9, 9])):  # the second reuses the first's KV
         scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=greedy8))
         run_until_idle()
+    # the regex is compiled (in a worker process) before the burst, so the three requests decode together
+    # however long a compile takes on this machine
+    scheduler.grammars.compiler.compile_async("regex", reqs[2][2]["regex"]).result(timeout=GENEROUS)
     for rid, ids, params in reqs:  # together they outgrow the pool while decoding: one is retracted
         scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
     run_until_idle()

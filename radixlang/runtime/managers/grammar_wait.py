@@ -1,8 +1,10 @@
 """GrammarWaits: constrained requests wait in the queue while their grammar compiles.
 
-The compiler runs on worker threads; each step the scheduler polls the waiting requests'
-futures, attaches the per-request grammar state to those that completed and fails (alone) those whose grammar
-did not compile. A request with a grammar still compiling is never admitted.
+The compiler checks and compiles in worker processes, killed at the compile timeout (so a grammar
+that takes too long neither holds the scheduler nor keeps burning a CPU); each step the scheduler
+polls the waiting requests' futures, attaches the per-request grammar state to those that completed
+and fails (alone) those whose grammar did not compile. A request with a grammar still compiling is
+never admitted.
 """
 from __future__ import annotations
 
@@ -78,8 +80,14 @@ class GrammarWaits:
                     grammar, self.compiler.free_text_masks(marker))
             except Exception as e:  # noqa: BLE001 -- a bad or too slow grammar fails only its own request
                 waiting.remove(req)
-                outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len, param=getattr(e, "param", None))
+                outputs.add_error(req.rid, str(e), prompt_tokens=req.prompt_len,
+                                  param=getattr(e, "param", None) or _grammar_field(req.sampling_params))
         return pending
+
+    def close(self) -> None:
+        """Stop the compiler's worker processes (if it was built): compiles still waiting fail."""
+        if self._compiler is not None:
+            self._compiler.shutdown()
 
     @staticmethod
     def is_compiling(req: Req) -> bool:
@@ -89,3 +97,11 @@ class GrammarWaits:
     def wait(pending: list[Future[Any]], timeout_s: float = 0.01) -> None:
         """Block until one grammar completes or ``timeout_s`` passes (a loop with nothing else to do)."""
         wait_futures(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+
+def _grammar_field(params: SamplingParams) -> str | None:
+    """The sampling param that carried a grammar the compiler refused: the field at fault."""
+    key = params.grammar_key
+    if key is None:
+        return None
+    return {"json": "json_schema"}.get(key[0], key[0])
