@@ -159,11 +159,12 @@ TINY_HF_CONFIG = dict(vocab_size=49152, hidden_size=96, intermediate_size=192, n
                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, **overrides) -> str:
+def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, base: dict | None = None, **overrides) -> str:
     """A checkpoint folder saved by transformers' own ``arch`` class (e.g. "Qwen2ForCausalLM"): random
     weights, 3 layers, hidden 96, 6 heads over 2 kv heads of 16 dims, norm weights away from their init
     and random biases (so a dropped norm or bias shows up), the SmolLM2 tokenizer. ``overrides`` go to
-    the config (sliding windows, expert counts, ...)."""
+    the config (sliding windows, expert counts, ...); ``base`` replaces TINY_HF_CONFIG under them (the
+    family's own defaults for what it leaves out)."""
     import torch
     import transformers
 
@@ -173,7 +174,7 @@ def save_tiny_hf_model(path: str, arch: str, *, seed: int = 0, **overrides) -> s
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(path, name))
     cls = getattr(transformers, arch)
-    config = cls.config_class(**{**TINY_HF_CONFIG, **overrides})
+    config = cls.config_class(**{**(TINY_HF_CONFIG if base is None else base), **overrides})
     torch.manual_seed(seed)
     model = cls(config).float()
     with torch.no_grad():

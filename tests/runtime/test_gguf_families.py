@@ -122,9 +122,10 @@ def add_smollm_tokenizer(w) -> None:
             w.add_key_value(key, value, kind)
 
 
-def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quant: dict | None = None) -> None:
+def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quant: dict | None = None,
+                tokenizer=add_smollm_tokenizer) -> None:
     """``quant``: {GGUF tensor kind (attn_q, ffn_down, ..., output, token_embd): GGMLQuantizationType} for
-    matrices stored as blocks."""
+    matrices stored as blocks; ``tokenizer(writer)`` writes the tokenizer fields (SmolLM2's by default)."""
     import gguf
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(hf_folder)
@@ -172,7 +173,7 @@ def _write_gguf(hf_folder: str, path: str, arch: str, *, f16: bool = False, quan
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    add_smollm_tokenizer(w)
+    tokenizer(w)
     from safetensors.torch import load_file
     checkpoint = load_file(os.path.join(hf_folder, "model.safetensors"))  # transformers' saved names
     for gname, arr in _gguf_tensors(checkpoint, cfg, arch, f16):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from radixlang.runtime.models.loader import load_model
 from test_models import _run_ours
-from tiny_model import FAMILIES, save_tiny_hf_model
+from tiny_model import FAMILIES, WINDOW, save_tiny_hf_model
 
 PROMPTS = ([1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88],
            list(range(300, 321)),
@@ -84,6 +84,50 @@ def test_engine_alone_batched_and_cached_prefix_match_transformers(family):
 
 def _tokens(out: dict) -> list[int]:
     return list(out["output_ids"])
+
+
+# Qwen2 over the config space transformers 5 accepts (issue 43): its own defaults (no head_dim, no window,
+# untied head), a tied head, windows on the layers past max_window_layers, windows asked for but on no
+# layer (max_window_layers 28 > 3 layers), head_dim apart from hidden / heads, one kv head; biases random
+QWEN2_BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2)
+QWEN2_SWEEP = {
+    "defaults": {},
+    "tied": dict(tie_word_embeddings=True),
+    "window_layers": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "window_on_no_layer": dict(use_sliding_window=True, sliding_window=WINDOW),
+    "head_dim_24": dict(head_dim=24),
+    "one_kv_head": dict(num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True),
+}
+TEXT_PROMPTS = ["The capital of France is", "def fib(n):\n    return", "1, 2, 3, 5, 8, 13, 21, 34,"]
+
+
+@pytest.mark.parametrize("case", sorted(QWEN2_SWEEP))
+def test_qwen2_config_sweep_matches_transformers_on_text_prompts(tmp_path, case):
+    """The checkpoint as transformers saves it (generation_config.json included), prompts as text: the
+    Engine tokenizes them and answers transformers' greedy tokens; the model gives its log-probabilities
+    on both attention backends."""
+    from transformers import AutoTokenizer
+
+    from radixlang import Engine
+    folder = save_tiny_hf_model(str(tmp_path / case), "Qwen2ForCausalLM", seed=3, base=QWEN2_BASE,
+                                **QWEN2_SWEEP[case])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    layer_types = hf.config.layer_types
+    assert ("sliding_attention" in layer_types) == (case == "window_layers"), layer_types
+    want_head_dim = 24 if case == "head_dim_24" else 64 // hf.config.num_attention_heads
+    assert hf.model.layers[0].self_attn.head_dim == want_head_dim
+    model = load_model(folder).model
+    for cpu_kernels in (False, True):
+        logits = _run_ours(model, PROMPTS[0], decode_last=cpu_kernels, cpu_kernels=cpu_kernels)
+        ours = logits.log_softmax(-1)[torch.arange(len(PROMPTS[0]) - 1), torch.tensor(PROMPTS[0][1:])]
+        assert (ours - _hf_logprobs(hf, PROMPTS[0])).abs().max().item() < 1e-4, (case, cpu_kernels)
+    tok = AutoTokenizer.from_pretrained(folder)
+    refs = [_hf_greedy(hf, tok(t).input_ids) for t in TEXT_PROMPTS]
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=folder, max_total_tokens=2048) as engine:
+        outs = engine.generate(prompt=TEXT_PROMPTS, sampling_params=greedy)
+    assert [_tokens(o) for o in outs] == refs, case
 
 
 def test_backend_without_a_feature_is_refused_naming_both(tmp_path):

@@ -95,7 +95,10 @@ class EngineBackend(Backend):
                 for out, r in zip(res, token_rows)]
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # as the engine tokenizes a text prompt (a BOS where the model asks for one), so that select scores
+        # the prompt generate sees and hits its cached prefix
+        from radixlang.runtime.tokenizer_source import encode_prompt
+        return encode_prompt(self.tokenizer, text)
 
     def _prefill(self, ids: list[int]) -> dict[str, Any]:
         out = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})

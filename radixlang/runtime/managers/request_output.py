@@ -12,6 +12,7 @@ from typing import Any
 from radixlang.runtime.managers.io_struct import BatchStrOut
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.errors import RequestError
+from radixlang.runtime.tokenizer_source import encode_prompt
 
 Item = tuple[list[int], "str | None", dict[str, Any]]  # (input_ids, prompt text, sampling params with n=1)
 
@@ -25,7 +26,7 @@ def expand_requests(tokenizer: Any, prompt: str | list[str] | None, sampling_par
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not all(isinstance(t, str) for t in texts):
             raise RequestError("prompt must be a string or a list of strings", "text")
-        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        ids = [encode_prompt(tokenizer, t) for t in texts]  # BOS / EOS as the model's tokenizer asks
     else:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         ids = [list(input_ids)] if single else [list(x) for x in input_ids]

@@ -1,5 +1,6 @@
-"""GGUF -> a small Hugging Face folder (config.json and the tokenizer files), cached on disk; the weights
-stay in the GGUF file and are read from it at load time (gguf_weights.py), one tensor at a time.
+"""GGUF -> a small Hugging Face folder (config.json, the tokenizer files and a generation_config.json of
+every EOS id), cached on disk; the weights stay in the GGUF file and are read from it at load time
+(gguf_weights.py), one tensor at a time.
 
 The GGUF metadata maps to a transformers config per architecture (llama, qwen2, qwen3, qwen2moe,
 qwen3moe, gemma2, gemma3, phi3, deepseek2: see gguf_weights.py for the tensors); transformers supplies
@@ -27,7 +28,8 @@ from radixlang.runtime.models.gguf_weights import (
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT = "v3"  # v2: with a float32 model.safetensors; v3: config and tokenizer only
+_CACHE_FORMAT = "v4"  # v2: with a float32 model.safetensors; v3: config and tokenizer only; v4: and
+# generation_config.json (every EOS id)
 SOURCE_FILE = "source.json"
 
 
@@ -276,6 +278,22 @@ def _tokenizer(src: Path) -> Any:
         return PreTrainedTokenizerFast.from_pretrained(str(src.parent), gguf_file=src.name)
 
 
+# the tokens chat templates end a turn with; llama.cpp counts them as end-of-generation by their text too
+_END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|return|>", "<|call|>")
+
+
+def eos_token_ids(fields: dict[str, Any], tokenizer: Any) -> list[int]:
+    """Every id that ends a reply: the file's EOS, EOT and EOM ids, and the end-of-turn token its chat
+    template writes (Gemma's ``<end_of_turn>``, which the file's EOS id does not name)."""
+    ids = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    template = fields.get("tokenizer.chat_template") or ""
+    vocab = tokenizer.get_vocab()
+    # harmony (GPT-OSS) ends a reasoning message with <|end|> and goes on with the final one
+    harmony = "<|channel|>" in template
+    ids += [vocab.get(t) for t in _END_OF_TURN if t in template and not (harmony and t == "<|end|>")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def _convert(gguf_path: str, out: Path) -> None:
     from transformers import AutoConfig
 
@@ -286,7 +304,12 @@ def _convert(gguf_path: str, out: Path) -> None:
     kwargs = {**_common_config(meta), **_config_kwargs(meta)}
     AutoConfig.for_model(spec.model_type, **kwargs).save_pretrained(out)
     src = Path(gguf_path)
-    _tokenizer(src).save_pretrained(out)
+    tokenizer = _tokenizer(src)
+    tokenizer.save_pretrained(out)
+    eos = eos_token_ids(gguf_file.fields, tokenizer)
+    if eos:
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": gguf_file.fields.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos}, indent=2))
     (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(src.resolve()), "size": os.stat(src).st_size}))
     logger.info("GGUF %s (%s as %s): config and tokenizer in %s; weights read from the file at load",
                 src.name, arch, spec.hf_arch, out)

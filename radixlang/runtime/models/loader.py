@@ -24,6 +24,7 @@ from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, exper
 from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
+from radixlang.runtime.tokenizer_source import merged_eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
 
     folder = resolve_model_dir(model_path, load_format)
     config = read_config(folder)
+    # every EOS id ends a reply: generation_config.json often lists more than config.json (Llama 3, Gemma 3)
+    config.eos_token_id = merged_eos_ids(config.eos_token_id, folder)
     cls = model_class(config)
     model = cls(config, dtype=dtype, device=device, tp=tp)
     if deferred is not None:
