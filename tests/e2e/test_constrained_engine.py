@@ -210,11 +210,13 @@ def test_jump_forward_streams_the_same_text(tiny_engine):
     assert whole["meta_info"]["jump_forward_tokens"] > 0
 
 
-def test_logprob_requests_decode_every_token(tiny_engine):
+def test_logprob_requests_jump_forward_too(tiny_engine):
     p = {"json_schema": json.dumps(LONG_KEYS), "temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 256}
     out = tiny_engine.generate("Give JSON:", p, return_logprob=True)
+    plain = tiny_engine.generate("Give JSON:", p)
     meta = out["meta_info"]
-    assert "jump_forward_tokens" not in meta
+    assert out["output_ids"] == plain["output_ids"]  # logprobs never change the tokens (issue #42)
+    assert meta["jump_forward_tokens"] == plain["meta_info"]["jump_forward_tokens"] > 0
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert all(lp[0] is not None for lp in meta["output_token_logprobs"])
     jsonschema.validate(json.loads(out["text"]), LONG_KEYS)

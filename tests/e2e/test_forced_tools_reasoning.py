@@ -45,7 +45,7 @@ def thinking(tiny_model_dir):
 
 
 def _chat(c, **body) -> dict:
-    """One choice; logprobs=True (the default here) shows the raw reply, and turns jump-forward off."""
+    """One choice; logprobs=True (the default here) shows the raw reply (the tokens are those without it)."""
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "call"}], "max_tokens": 200,
                                              "logprobs": True, **body})
     assert r.status_code == 200, r.text

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with live_server(tiny_model_dir) as url:
+    with live_server(tiny_model_dir, served_model_name="tiny") as url:  # the model name the tests send
         yield url
 
 

@@ -258,7 +258,9 @@ def test_a_request_waits_for_its_grammar_and_a_failing_grammar_fails_only_its_re
     assert all(len(c.seq_lens) == 1 for c in runner.calls)
     ctl.futures["b+"].set_exception(ValueError("the grammar blew up"))
     got.add(sched.step())
-    assert got.reasons["bad"] == {"type": "abort", "message": "the grammar blew up", "status_code": 400}
+    # a refused grammar names the sampling param that carried it (issue #42)
+    assert got.reasons["bad"] == {"type": "abort", "message": "the grammar blew up", "status_code": 400,
+                                  "param": "regex"}
     assert [r.rid for r in sched.waiting] == ["good"]
     ctl.futures["[a-c]{3}d"].set_result(char_compiler.compile("regex", "[a-c]{3}d"))
     run(sched, got)

@@ -6,12 +6,15 @@ import dataclasses
 from typing import Any, Protocol
 
 import pydantic
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.tokenizer_manager import RequestStream
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.tokenizer_source import encode_prompt, resolve_chat_template
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -56,16 +59,50 @@ class GenerateRequest(pydantic.BaseModel):
 
 
 def chat_template_of(engine: Front) -> str | None:
-    """The chat template in use: --chat-template's file text, else the tokenizer's."""
-    path = engine.server_args.chat_template
-    if path is not None:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+    """The chat template in use: --chat-template's (a built-in name or a file), else the tokenizer's."""
+    name = engine.server_args.chat_template
+    if name is not None:
+        return resolve_chat_template(name)
     return getattr(engine.tokenizer, "chat_template", None)
 
 
+DEFAULT_MODEL_ID = "default"  # accepted as well as the served id, as SGLang and the README's examples send it
+
+
 def model_name(engine: Front) -> str:
-    return engine.server_args.served_model_name or engine.model_path
+    """The id the API serves the model as: --served-model-name, by default the model's own name
+    (``ServerArgs.resolve`` fills it in)."""
+    return engine.server_args.served_model_name or DEFAULT_MODEL_ID
+
+
+def unknown_model(engine: Front, model: str | None) -> JSONResponse | None:
+    """OpenAI's 404 for a model this server does not serve; None when ``model`` is its id, "default",
+    or absent."""
+    served = model_name(engine)
+    if model is None or model in (served, DEFAULT_MODEL_ID):
+        return None
+    return JSONResponse({"error": {"message": f"The model `{model}` does not exist: this server serves "
+                                              f"`{served}` (or send `{DEFAULT_MODEL_ID}`)",
+                                   "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                        status_code=404)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer routing errors (404 no such route, 405 wrong method) in the API's error shape, not FastAPI's
+    ``{"detail": ...}``; a 405 keeps its Allow header."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message)
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        return response
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(GenerateRequest.model_fields)
@@ -134,7 +171,7 @@ def scored_logprob_start(tokenizer: Any, req: GenerateRequest) -> int | None:
         return start
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        lengths = [len(encode_prompt(tokenizer, t)) for t in texts]
     else:
         ids = req.input_ids or []
         lengths = [len(ids)] if ids and isinstance(ids[0], int) else [len(x) for x in ids]

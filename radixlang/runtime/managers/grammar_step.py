@@ -51,7 +51,9 @@ def jump_forward(req: Req, before: GrammarState, tokenizer: Any) -> tuple[Finish
     The newest token has no KV yet, so it is re-tokenized together with the forced text, the way
     the tokenizer would spell the whole output (``before`` is the grammar state ahead of it); if
     that does not round-trip, the forced text is tokenized alone after it. The appended tokens
-    get their KV in the next step, which then runs as an EXTEND for this request.
+    get their KV in the next step, which then runs as an EXTEND for this request; for a request
+    that wants logprobs, that extend also scores them (``req.logprob_owed``: the model's logprobs,
+    unmasked, as the grammar chose them), so asking for logprobs never changes the tokens.
     """
     g = req.grammar
     if g is None:
@@ -84,6 +86,8 @@ def jump_forward(req: Req, before: GrammarState, tokenizer: Any) -> tuple[Finish
         added = len(ids)
     req.grammar = jumped
     req.jump_forward_tokens += added
+    if req.return_logprob:
+        req.logprob_owed = added
     if jumped.is_complete():
         return FinishReason.stop(None), added
     return check_finished(req, tokenizer, new_tokens=added + 1), added

@@ -45,6 +45,10 @@ class Req:
     grammar: Grammar | None = None  # set once grammar_future has completed
     grammar_future: Future[CompiledGrammar] | None = None  # a constrained request's grammar, compiling
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
+    # a logprob request's newest jump-forwarded tokens, whose logprobs the next extend computes, and
+    # the finish a jump reached, held until then
+    logprob_owed: int = 0
+    finish_after_logprobs: FinishReason | None = None
     is_retracted: bool = False
     draft_state: Any = None  # the drafter's per-request state (speculative.py), built on its first drafted step
     spec_draft_tokens: int = 0  # tokens drafted for this request, and how many of them were accepted

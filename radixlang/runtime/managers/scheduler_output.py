@@ -52,8 +52,10 @@ class OutputCollector:
                 out.extra_meta.append({})
                 continue
             p = req.sampling_params
-            start = req.sent_output_len
-            out.output_ids.append(req.output_ids[start:])
+            start, end = req.sent_output_len, len(req.output_ids)
+            if req.return_logprob and not final:  # jumped tokens wait for their logprobs (the next extend)
+                end = min(end, len(req.output_token_logprobs))
+            out.output_ids.append(req.output_ids[start:end])
             reason = req.finished_reason if final else None
             out.finished_reasons.append(reason.to_dict() if reason is not None else None)
             out.prompt_tokens.append(req.prompt_len)
@@ -65,8 +67,8 @@ class OutputCollector:
             out.stop_strs.append(list(p.stop))
             out.stop_regexes.append(list(p.stop_regex))
             if req.return_logprob:
-                out.output_token_logprobs.append(req.output_token_logprobs[start:])
-                out.output_top_logprobs.append(req.output_top_logprobs[start:] if req.top_logprobs_num else None)
+                out.output_token_logprobs.append(req.output_token_logprobs[start:end])
+                out.output_top_logprobs.append(req.output_top_logprobs[start:end] if req.top_logprobs_num else None)
                 first = not req.sent_input_logprobs
                 out.input_token_logprobs.append(req.input_token_logprobs if first else [])
                 out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
@@ -77,7 +79,7 @@ class OutputCollector:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
             out.extra_meta.append(_extra_meta(req))
-            req.sent_output_len = len(req.output_ids)
+            req.sent_output_len = end
         self._pending.clear()
         return out
 

@@ -89,6 +89,7 @@ class _Common(BaseModel):
     no_stop_trim: bool | None = None
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     rid: str | None = None
@@ -119,7 +120,7 @@ class ChatRequest(_Common):
 
 _SGLANG_PASSTHROUGH = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p",
                        "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
-                       "regex", "json_schema", "stop_regex", "logit_bias")
+                       "regex", "json_schema", "ebnf", "stop_regex", "logit_bias")
 
 
 def to_sampling(req: CompletionRequest | ChatRequest, constraint: tuple[str, str] | None) -> dict[str, Any]:
@@ -138,13 +139,13 @@ def to_sampling(req: CompletionRequest | ChatRequest, constraint: tuple[str, str
     if req.seed is not None:
         params["sampling_seed"] = req.seed
     if constraint is not None:
-        given = [name for name in ("regex", "json_schema") if name in params]
+        given = [name for name in ("regex", "json_schema", "ebnf") if name in params]
         if given:
             raise RequestError(f"{given[0]} cannot be combined with response_format or tool_choice", given[0])
         params[constraint[0]] = constraint[1]
     tag = structural_tag_constraint(req)
     if tag is not None:
-        given = [name for name in ("regex", "json_schema") if name in params]
+        given = [name for name in ("regex", "json_schema", "ebnf") if name in params]
         if given:
             raise RequestError(f"{given[0]} cannot be combined with a structural_tag response_format", given[0])
         params["structural_tag"] = tag
@@ -285,14 +286,22 @@ def usage(outs_per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# a token the grammar forbids has logprob -inf, which JSON cannot carry: reported as this floor, as vLLM does
+_LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _LOGPROB_FLOOR)
+
+
 def chat_logprobs(tokenizer: Any, out: dict[str, Any], start: int = 0) -> dict[str, Any]:
     entries = []
     tops = out["meta_info"].get("output_top_logprobs") or []
     for k, (lp, tid, _) in enumerate(out["meta_info"].get("output_token_logprobs", [])[start:], start):
         token = tokenizer.decode([tid])
         row = tops[k] if k < len(tops) and tops[k] else []
-        entries.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
-                        "top_logprobs": [{"token": (t := tokenizer.decode([i])), "logprob": v,
+        entries.append({"token": token, "logprob": _finite(lp), "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": (t := tokenizer.decode([i])), "logprob": _finite(v),
                                           "bytes": list(t.encode())} for v, i, _ in row]})
     return {"content": entries}
 
@@ -303,11 +312,11 @@ def completion_logprobs(tokenizer: Any, out: dict[str, Any], start: int = 0, off
     for k, (lp, tid, _) in enumerate(out["meta_info"].get("output_token_logprobs", [])[start:], start):
         token = tokenizer.decode([tid])
         tokens.append(token)
-        values.append(lp)
+        values.append(_finite(lp))
         offsets.append(offset)
         offset += len(token)
         row = rows[k] if k < len(rows) and rows[k] else []
-        tops.append({tokenizer.decode([i]): v for v, i, _ in row})
+        tops.append({tokenizer.decode([i]): _finite(v) for v, i, _ in row})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -10,7 +10,7 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, chat_template_of, check_outputs, model_name, named_field, parse_model,
+    Front, chat_template_of, check_outputs, model_name, named_field, parse_model, unknown_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers
 from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
@@ -20,14 +20,18 @@ from radixlang.runtime.entrypoints.openai.protocol import (
 )
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.tokenizer_source import BUILTIN_TEMPLATES, encode_chat
 
 _MAX_CHOICES = 1024  # prompts x n per HTTP call: bounds the work one request can queue
 _OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                  "input_ids": "prompt", "text": "prompt"}
+_RENAMED_PARAMS = ("sampling_seed", "max_new_tokens", "min_new_tokens")  # messages that open with one say its name
 
 
 async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(CompletionRequest, body)
+    if (missing := unknown_model(engine, req.model)) is not None:
+        return missing
     if req.suffix is not None:
         raise RequestError("suffix is not supported", "suffix")
     prompts = _completion_prompts(req.prompt)
@@ -37,10 +41,16 @@ async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
 
 async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(ChatRequest, body)
+    if (missing := unknown_model(engine, req.model)) is not None:
+        return missing
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     if req.store:
         raise RequestError("store=true is not supported: this server keeps no completions", "store")
+    if not chat_template_of(engine):
+        raise RequestError("this model has no chat template (a base model): start the server with --chat-template "
+                           f"naming a file or a built-in template ({', '.join(BUILTIN_TEMPLATES)}), or send the "
+                           "text to /v1/completions", "messages")
     tools = active_tools(req)
     constraint = chat_constraint(req, tools)
     probe = _chat_output(engine, req, tools, drop=())
@@ -57,7 +67,10 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
         params["skip_special_tokens"] = False
     else:
         drop = ()
-    return await _serve_openai(engine, req, [prompt], params, chat=True, tools=tools, top_logprobs=top, drop=drop)
+    # the template wrote the special tokens (a BOS too): tokenized as apply_chat_template(tokenize=True) does
+    ids = encode_chat(engine.tokenizer, prompt)
+    return await _serve_openai(engine, req, [ids], params, chat=True, tools=tools, top_logprobs=top, drop=drop,
+                               grammar_field=_grammar_field(req, tools))
 
 
 _GRAMMAR_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
@@ -85,8 +98,25 @@ def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tu
     args = engine.server_args
     return ChatOutput(tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                       chat_template=chat_template_of(engine), tool_names={t.function.name for t in tools},
-                      forced=_forced(req, tools), parallel=req.parallel_tool_calls is not False,
+                      forced=_forced(req, tools), parallel=_parallel(req, tools),
                       separate_reasoning=req.separate_reasoning, drop=drop)
+
+
+def _parallel(req: ChatRequest, tools: list[Tool]) -> bool:
+    """Whether a reply may hold several calls: a forced tool_choice answers with one call unless the
+    request asks for parallel calls (a model left to repeat itself would make the same call again)."""
+    if _forced(req, tools):
+        return req.parallel_tool_calls is True
+    return req.parallel_tool_calls is not False
+
+
+def _grammar_field(req: Any, tools: list[Tool]) -> str | None:
+    """The chat request field a refused grammar came from, when the server built it (a response_format
+    schema, a forced call's tools); None: the caller's own regex / json_schema / ebnf, named as they are."""
+    if _forced(req, tools):
+        return "tools"
+    fmt = getattr(req, "response_format", None)
+    return "response_format" if fmt is not None and fmt.type != "text" else None
 
 
 def _call_format(req: ChatRequest, tools: list[Tool], probe: ChatOutput) -> str:
@@ -109,14 +139,20 @@ def _completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
 
 async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
                         chat: bool, tools: list[Tool], top_logprobs: int | None, echo: bool = False,
-                        drop: tuple[str, ...] = ()) -> Response:
+                        drop: tuple[str, ...] = (), grammar_field: str | None = None) -> Response:
     try:
         return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs,
                                  echo=echo, drop=drop)
     except RequestError as e:  # report the field by its OpenAI name
         param = e.param or named_field(str(e))
+        if grammar_field is not None and param in (*_GRAMMAR_PARAMS, "constrain_after"):
+            param = grammar_field
         fallback = "messages" if chat and param in ("prompt", None) else param
-        raise RequestError(str(e), _OPENAI_NAMES.get(param or "", fallback)) from None
+        name = _OPENAI_NAMES.get(param or "", fallback)
+        message = str(e)
+        if param in _RENAMED_PARAMS and name and message.startswith(param + " "):  # "max_tokens is too large"
+            message = name + message[len(param):]
+        raise RequestError(message, name) from None
 
 
 async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, Any], *,
@@ -128,7 +164,7 @@ async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, 
     lp = {"return_logprob": top_logprobs is not None, "top_logprobs_num": top_logprobs or 0}
     if echo and top_logprobs is not None:
         lp["logprob_start_len"] = 0  # the prompt's logprobs come first, as OpenAI's echo gives them
-    ctx = _Ctx(engine=engine, model=req.model or model_name(engine), chat=chat, tools=tools,
+    ctx = _Ctx(engine=engine, model=model_name(engine), chat=chat, tools=tools,
                forced=_forced(req, tools), logprobs=top_logprobs is not None,
                rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", req=req,
                echo_texts=_echo_texts(engine, prompts, req.n) if echo else None, drop=drop)
@@ -243,7 +279,8 @@ async def _openai_sse(engine: Front, ctx: _Ctx, streams: list, n: int, *, includ
                 reason = out["meta_info"]["finish_reason"]
                 if reason.get("type") == "abort" and reason.get("status_code"):
                     yield b"data: " + orjson.dumps({"error": {"message": reason.get("message"),
-                                                              "type": "invalid_request_error", "param": None,
+                                                              "type": "invalid_request_error",
+                                                              "param": _stream_error_param(ctx, reason),
                                                               "code": reason["status_code"]}}) + b"\n\n"
                 finals[index] = out
             yield ctx.chunk([ctx.delta(index, out, *sent[index], first=index not in started)])
@@ -258,6 +295,13 @@ async def _openai_sse(engine: Front, ctx: _Ctx, streams: list, n: int, *, includ
             task.cancel()
         for it in streams:  # aborts every choice that has not finished
             await it.aclose()
+
+
+def _stream_error_param(ctx: _Ctx, reason: dict[str, Any]) -> str | None:
+    """The request field a refusal met mid-stream names (a grammar: the field it came from)."""
+    param = reason.get("param")
+    field = _grammar_field(ctx.req, ctx.tools) if ctx.chat else None
+    return field if field is not None and param in (*_GRAMMAR_PARAMS, "constrain_after") else param
 
 
 async def _pump(index: int, it: RequestStream, queue: asyncio.Queue) -> None:

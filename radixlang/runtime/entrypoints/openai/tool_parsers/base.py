@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlang.runtime.entrypoints.openai.tool_parsers.json_prefix import is_json_object, object_prefix_ok
 from radixlang.runtime.managers.detokenizer import stop_holdback
 
 
@@ -72,6 +73,7 @@ class ToolParser:
         self._sent_content = 0
         self._ids: list[str] = []  # one per reported call (known names only)
         self._sent_args: list[int] = []
+        self._shown: list[int] = []  # per reported call, its position among the snapshot's calls
 
     # -- what a format implements -----------------------------------------------------------------
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
@@ -93,9 +95,12 @@ class ToolParser:
                                for name, schema in tools]}
 
     def parse(self, text: str) -> ParseResult:
-        """The whole output at once."""
+        """The whole output at once; a call whose arguments are not a JSON object is no call."""
         snap = self._known(self.snapshot(text, final=True))
-        calls = [ToolCall(id=_call_id(), name=c.name or "", arguments=c.arguments) for c in snap.calls]
+        valid = [c for c in snap.calls if _arguments_ok(c, final=True)]
+        calls = [ToolCall(id=_call_id(), name=c.name or "", arguments=c.arguments) for c in valid]
+        if len(valid) < len(snap.calls) and not calls:  # nothing but malformed calls: the reply is text
+            return ParseResult(content=text, calls=[])
         # with calls, content is the text around them (None when there is none); without, the reply as it is
         content = (snap.content.strip() or None) if calls else snap.content
         return ParseResult(content=content, calls=calls)
@@ -106,16 +111,23 @@ class ToolParser:
         snap = self._known(self.snapshot(self.text, final=final))
         delta = Delta(content=snap.content[self._sent_content:])
         self._sent_content = max(self._sent_content, len(snap.content))
-        for index, call in enumerate(snap.calls):
-            if index == len(self._ids):
+        # a call is shown once its arguments have begun as a JSON object, and never while they cannot be
+        # one; one already shown keeps its index but sends nothing more (a stream cannot take it back)
+        for pos, call in enumerate(snap.calls):
+            ok = _arguments_ok(call, final=final)
+            if pos in self._shown:
+                index = self._shown.index(pos)
+                if ok and len(call.arguments) > self._sent_args[index]:
+                    delta.tool_calls.append({"index": index, "function": {
+                        "arguments": call.arguments[self._sent_args[index]:]}})
+                    self._sent_args[index] = len(call.arguments)
+            elif ok and _begun(call) and pos > max(self._shown, default=-1):
+                index = len(self._ids)
+                self._shown.append(pos)
                 self._ids.append(_call_id())
                 self._sent_args.append(len(call.arguments))
                 delta.tool_calls.append({"index": index, "id": self._ids[index], "type": "function",
                                          "function": {"name": call.name, "arguments": call.arguments}})
-            elif len(call.arguments) > self._sent_args[index]:
-                delta.tool_calls.append({"index": index, "function": {
-                    "arguments": call.arguments[self._sent_args[index]:]}})
-                self._sent_args[index] = len(call.arguments)
         return delta
 
     def _known(self, snap: Snapshot) -> Snapshot:
@@ -123,6 +135,20 @@ class ToolParser:
         calls = [c for c in snap.calls if c.name is not None
                  and (self.tool_names is None or c.name in self.tool_names)]
         return Snapshot(content=snap.content, calls=calls)
+
+
+def _arguments_ok(call: PartialCall, *, final: bool) -> bool:
+    """The call's arguments are a JSON object, or (while it goes on) can still become one."""
+    if not call.arguments.strip():
+        return not final or call.done  # none yet; a finished call without arguments keeps the old "" reading
+    if call.done or final:
+        return is_json_object(call.arguments)
+    return object_prefix_ok(call.arguments)
+
+
+def _begun(call: PartialCall) -> bool:
+    """Enough of the arguments to tell an object from other text: "{" and the next character."""
+    return call.done or len(call.arguments.strip()) >= 2
 
 
 def _call_id() -> str:
