@@ -16,7 +16,7 @@ from radixlang.lang.backends.runtime import Runtime
 def live_runtime(model_dir: str, **server_args: Any) -> Iterator[Runtime]:
     """Yield the Runtime (``.url``, ``.pid``); ``server_args`` are ServerArgs fields overriding the test defaults."""
     args = {"load_format": "dummy", "max_total_tokens": 4096, "log_level": "warning", **server_args}
-    with Runtime(model_path=model_dir, launch_timeout=120, **args) as runtime:
+    with Runtime(model_path=model_dir, launch_timeout=300, **args) as runtime:
         yield runtime
 
 

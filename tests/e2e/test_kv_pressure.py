@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from tests.live_server import live_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -47,13 +47,11 @@ def _generate(client: httpx.Client, ids: list[int], *, stream: bool) -> list[int
     return last["output_ids"]
 
 
-def _idle_info(client: httpx.Client, timeout_s: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    info = client.get("/get_server_info").json()
-    while (info["num_running_reqs"] or info["num_waiting_reqs"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
+def _idle_info(client: httpx.Client) -> dict[str, Any]:
+    def idle() -> dict[str, Any] | None:
         info = client.get("/get_server_info").json()
-    return info
+        return None if info["num_running_reqs"] or info["num_waiting_reqs"] else info
+    return wait_until(idle, what="no running or waiting request")
 
 
 @pytest.fixture(scope="module")

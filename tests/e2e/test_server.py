@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from tests.live_server import live_server
+from tests.waiting import GENEROUS, wait_until
 
 pytestmark = pytest.mark.e2e
 KEY = "test-key"
@@ -15,12 +15,12 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with live_server(tiny_model_dir, api_key=KEY) as url:
+    with live_server(tiny_model_dir, api_key=KEY, served_model_name="tiny") as url:
         yield url
 
 
 def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=GENEROUS)
 
 
 def test_api_key_enforced(server):
@@ -83,10 +83,7 @@ def _idle_and_leak_free(c: httpx.Client) -> bool:
 
 
 def _wait_idle(c: httpx.Client) -> None:
-    deadline = time.time() + 30
-    while not _idle_and_leak_free(c):
-        assert time.time() < deadline, c.get("/get_server_info").json()
-        time.sleep(0.1)
+    wait_until(lambda: _idle_and_leak_free(c), what="an idle server with every KV slot back")
 
 
 def test_flush_refused_while_busy_then_abort(server):
@@ -96,14 +93,11 @@ def test_flush_refused_while_busy_then_abort(server):
     with _client(server) as c:
         worker = threading.Thread(target=lambda: result.update(c.post("/generate", json=long).json()))
         worker.start()
-        deadline = time.time() + 20
-        while c.get("/get_server_info").json()["num_running_reqs"] == 0:
-            assert time.time() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: c.get("/get_server_info").json()["num_running_reqs"], what="the long request to run")
         r = c.post("/flush_cache")
         assert r.status_code == 400 and "running" in r.json()["error"]["message"]
         assert c.post("/abort_request", json={"rid": "long-1"}).json()["success"]
-        worker.join(timeout=30)
+        worker.join(timeout=GENEROUS)
         assert result["meta_info"]["finish_reason"]["type"] == "abort"
         assert result["meta_info"]["completion_tokens"] < 1500
         _wait_idle(c)

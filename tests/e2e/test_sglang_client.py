@@ -110,3 +110,35 @@ def test_streaming(backend):
     pieces = list(state.text_iter("answer"))
     assert len(pieces) > 1
     assert "".join(pieces) == state["answer"] == _greedy(backend.url, "Question: Stream me\nAnswer:", 6)
+
+
+def _two_turns(lang):
+    @lang.function
+    def chat(s, q1, q2):
+        s += lang.system("You are a helpful assistant.")
+        s += lang.user(q1)
+        s += lang.assistant(lang.gen("a1", max_tokens=32))
+        s += lang.user(q2)
+        s += lang.assistant(lang.gen("a2", max_tokens=32))
+    return chat
+
+
+def test_multi_turn_chat_on_smollm(smollm_path):
+    """SGLang's client picks its chat template by the model's name; SmolLM2 (ChatML) has no entry there, so a
+    user names it (docs: README, "SGLang's client"). With it, a two-turn chat's messages are its answers, and
+    the answers are what radixlang's own DSL gets from the same server with the model's own template."""
+    import radixlang
+
+    questions = [{"q1": "What is 2+2?", "q2": "And 3+3?"}, {"q1": "Tell me a joke", "q2": "Another one"}]
+    with live_server(smollm_path, load_format="auto") as url:
+        ours = _two_turns(radixlang).run_batch(questions, backend=radixlang.RuntimeEndpoint(url), temperature=0)
+        for temperature in (0, 1.0):
+            endpoint = sgl.RuntimeEndpoint(url, chat_template_name="chatml")
+            states = _two_turns(sgl).run_batch(questions, backend=endpoint, temperature=temperature)
+            for state, own in zip(states, ours):
+                messages = state.messages()
+                assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+                assert messages[2]["content"] == state["a1"] and messages[4]["content"] == state["a2"]
+                assert "<|im_" not in state["a1"] + state["a2"]
+                if temperature == 0:
+                    assert (state["a1"], state["a2"]) == (own["a1"], own["a2"])
