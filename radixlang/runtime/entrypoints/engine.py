@@ -82,7 +82,7 @@ class Engine:
 
     @staticmethod
     def _make_scheduler(args: ServerArgs, index: int) -> Scheduler:
-        sched = Scheduler(args)  # same random_seed: same weights on every replica
+        sched = Scheduler(args.for_replica(index))  # same random_seed: same weights on every replica
         if index:
             sched.generator.manual_seed(sched.args.random_seed + index)  # but not the same unseeded samples
         return sched

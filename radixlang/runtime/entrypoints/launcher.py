@@ -37,11 +37,11 @@ class ServerProcesses:
         from radixlang.runtime.managers.scheduler_process import run_scheduler_process
 
         ctx = multiprocessing.get_context("spawn")
-        args_json = orjson.dumps(args.to_dict())
         self.schedulers: list[multiprocessing.Process] = []
         self._ready: list[Connection] = []
         for replica in range(args.dp_size):
             recv, send = ctx.Pipe(duplex=False)
+            args_json = orjson.dumps(args.for_replica(replica).to_dict())  # replica i's GPUs: dp placement
             proc = ctx.Process(target=run_scheduler_process, args=(args_json, replica, ipc.folder, send),
                                name=f"radixlang-scheduler-{replica}",
                                daemon=args.tp_size == 1)  # a daemonic process may not start its tp ranks

@@ -8,6 +8,7 @@ unchanged, in order with the outputs around them.
 from __future__ import annotations
 
 import logging
+import signal
 from multiprocessing.connection import Connection
 
 import orjson
@@ -16,7 +17,7 @@ import zmq
 from radixlang.runtime.managers.detokenizer import DetokenizerManager
 from radixlang.runtime.managers.io_struct import BatchTokenIDOut, decode, encode
 from radixlang.runtime.managers.ipc import (
-    IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
+    IpcNames, ParentWatch, exit_with_parent, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
 )
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,8 @@ def run_detokenizer_process(ipc_folder: str, log_level: str, setup: Connection) 
     The tokenizer's folder is known once a scheduler has loaded the model; binding first
     lets the schedulers connect meanwhile. Empty bytes (or a closed pipe) on ``setup`` mean: exit.
     """
-    ignore_stop_signals()
-    parent = ParentWatch()
+    parent = exit_with_parent(ipc_folder, death_signal=signal.SIGTERM)  # its handler removes the folder
+    ignore_stop_signals(parent, ipc_folder)
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s detokenizer %(name)s] %(message)s")
     ipc = IpcNames(ipc_folder)
     ctx = zmq.Context()

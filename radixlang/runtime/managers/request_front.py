@@ -399,7 +399,7 @@ class RequestFront:
             assert isinstance(out, GetInternalStateOut)
             states.append(out.state)
         from radixlang import __version__
-        return {**self.server_args.to_dict(), **merge_states(states), "replicas": states,
+        return {**self.server_args.to_public_dict(), **merge_states(states), "replicas": states,
                 "num_requests_per_replica": [s["num_requests"] for s in states], "router": self.router.stats(),
                 "version": __version__, **self.info_extra}
 

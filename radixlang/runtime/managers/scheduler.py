@@ -24,9 +24,10 @@ from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
 from radixlang.runtime.managers.grammar_wait import GrammarWaits
-from radixlang.runtime.managers.input_logprobs import logit_rows, record_input_logprobs
+from radixlang.runtime.managers.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
 from radixlang.runtime.managers.io_struct import BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq
 from radixlang.runtime.managers.kv_slots import KVSlots
+from radixlang.runtime.managers.request_checks import check_length_left
 from radixlang.runtime.managers.schedule_batch import Req, ScheduleBatch
 from radixlang.runtime.managers.schedule_policy import order_waiting
 from radixlang.runtime.managers.speculative import make_drafter
@@ -121,8 +122,7 @@ class Scheduler:
         if len(tr.input_ids) >= context_len:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
                                f"{context_len}", "input_ids")
-        if len(tr.input_ids) + params.max_new_tokens > context_len:
-            params.max_new_tokens = context_len - len(tr.input_ids)
+        check_length_left(tr, params, context_len)
         if len(tr.input_ids) + 1 > self.kv_pool.size:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}",
                                "input_ids")
@@ -282,6 +282,7 @@ class Scheduler:
         logits = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
         sample_rows = [i for i, s in enumerate(batch.sample_mask) if s]
         record_input_logprobs(batch, logits, logprob_spans)
+        record_jump_logprobs(batch, logits, logprob_spans)
         if batch.mode is ForwardMode.EXTEND and not batch.from_running:
             self._after_extend(batch)
         if batch.drafts is not None:
@@ -312,6 +313,8 @@ class Scheduler:
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """logits [len(reqs), vocab] float32: the next-token logits of each request."""
+        # unmasked rows for a token a jump-forward respells (see _append_token)
+        unmasked = logits.clone() if any(r.return_logprob and r.grammar is not None for r in reqs) else None
         apply_grammar_masks(reqs, logits)
         raw = logits.clone() if any(r.return_logprob for r in reqs) else logits
         if all(r.sampling_params.max_new_tokens == 0 for r in reqs):
@@ -327,9 +330,8 @@ class Scheduler:
                 req.finished_reason = FinishReason.max_tokens(0)
                 continue
             self.metrics.observe_token(req, now)
-            if req.return_logprob:
-                self._record_output_logprob(req, raw[i:i + 1], next_ids[i:i + 1])
-            self._append_token(req, next_ids_cpu[i])
+            self._append_token(req, next_ids_cpu[i], raw=raw[i:i + 1] if req.return_logprob else None,
+                               unmasked=unmasked[i:i + 1] if unmasked is not None else None)
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 
@@ -355,18 +357,18 @@ class Scheduler:
             accepted = 0
             for j in range(len(d) + 1 if not req.finished else 0):
                 draft = d[j] if j < len(d) else None
+                raw = unmasked = None
                 if i in picked:
                     tok = picked[i][j]
                 else:
                     row = logits[firsts[i] + j:firsts[i] + j + 1].clone()
+                    unmasked = row.clone() if req.return_logprob and req.grammar is not None else None
                     apply_grammar_masks([req], row)
-                    raw = row.clone() if req.return_logprob else row
+                    raw = row.clone() if req.return_logprob else None
                     tok = verify_draft(row, self._sampling_info([req]), draft, self.generator)
-                    if req.return_logprob:
-                        self._record_output_logprob(req, raw, torch.tensor([tok]))
                 self.metrics.observe_token(req, now)
                 before = len(req.output_ids)
-                self._append_token(req, tok)
+                self._append_token(req, tok, raw=raw, unmasked=unmasked)
                 if tok != draft or req.finished or len(req.output_ids) != before + 1:  # a jump-forward
                     break
                 accepted += 1
@@ -397,9 +399,18 @@ class Scheduler:
         if top is not None:
             req.output_top_logprobs.append([list(p) for p in zip(top.values[0], top.ids[0])])
 
-    def _append_token(self, req: Req, tok: int) -> None:
-        """Append the sampled token, advance the grammar (and jump forward), and decide if it ends the request."""
-        before = req.grammar.copy() if req.grammar is not None and self._may_jump(req) else None
+    def _append_token(self, req: Req, tok: int, *, raw: torch.Tensor | None = None,
+                      unmasked: torch.Tensor | None = None) -> None:
+        """Append the sampled token, advance the grammar (and jump forward), and decide if it ends the request.
+
+        ``raw`` [1, vocab]: the masked logits it was sampled from, for a request that wants logprobs;
+        ``unmasked``: the same before the grammar mask. A jump-forward may respell the token with the
+        forced text: the token that stays was forced, not sampled, and gets its unmasked logprob, as the
+        jumped tokens do. Those come from the next step's extend, which computes their KV, so asking for
+        logprobs never changes the tokens; a finish the jump reached waits for that step.
+        """
+        n = len(req.output_ids)
+        before = req.grammar.copy() if req.grammar is not None and self.jump_forward else None
         req.output_ids.append(tok)
         self.stats["generated_tokens"] += 1
         req.finished_reason = advance_grammar(req, tok) or check_finished(req, self.tokenizer)
@@ -407,10 +418,12 @@ class Scheduler:
             req.finished_reason, added = jump_forward(req, before, self.tokenizer)
             self.stats["jump_forward_tokens"] += added
             self.stats["generated_tokens"] += added
-
-    def _may_jump(self, req: Req) -> bool:
-        # jumped tokens are not sampled, so a request that wants output logprobs decodes every token
-        return self.jump_forward and not req.return_logprob
+        if raw is not None:
+            kept = req.output_ids[n]
+            self._record_output_logprob(req, unmasked if kept != tok and unmasked is not None else raw,
+                                        torch.tensor([kept]))
+        if req.logprob_owed and req.finished_reason is not None and not req.finished_reason.is_abort:
+            req.finish_after_logprobs, req.finished_reason = req.finished_reason, None
 
     def _finish(self, req: Req) -> None:
         self.kv.release(req, keep=req.finished_reason is not None and not req.finished_reason.is_abort)
@@ -483,3 +496,4 @@ def _validate_request_extras(tr: TokenizedGenerateReq, params: SamplingParams, v
     bad = [t for t, _ in params.logit_bias_ids if t >= vocab_size]
     if bad:
         raise RequestError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}", "logit_bias")
+

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,7 +23,7 @@ from radixlang.runtime.managers.io_struct import (
     GetInternalStateReq, SchedulerReady, TokenizedGenerateReq, decode, encode,
 )
 from radixlang.runtime.managers.ipc import (
-    IpcNames, ParentWatch, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
+    IpcNames, ParentWatch, exit_with_parent, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
 )
 
 logger = logging.getLogger(__name__)
@@ -33,7 +32,8 @@ _IDLE_POLL_MS = 500  # how long an idle scheduler sleeps on its socket before ch
 
 def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready: Connection) -> None:
     """Process entry: load the model, report on ``ready`` (a SchedulerReady), then serve until told to stop."""
-    ignore_stop_signals()
+    parent = exit_with_parent(ipc_folder)
+    ignore_stop_signals(parent, ipc_folder)
     args = ServerArgs(**orjson.loads(args_json))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s scheduler-{replica} %(name)s] %(message)s")
@@ -42,9 +42,8 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
     # model), and loading on one thread but stepping on another left two OpenMP teams, which ran
     # oneDNN's packed matmuls ~1.6x slower (see managers/scheduler_thread.py).
     failed: list[BaseException] = []
-    parent = ParentWatch()
     ctx = zmq.Context()
-    worker = threading.Thread(target=_serve, args=(args, replica, ipc_folder, ctx, ready, failed),
+    worker = threading.Thread(target=_serve, args=(args, replica, ipc_folder, ctx, ready, failed, parent),
                               name="radixlang-scheduler", daemon=True)
     worker.start()
     worker.join()
@@ -56,9 +55,9 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
 
 
 def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
-           ready: Connection, failed: list[BaseException]) -> None:
-    from radixlang.runtime.managers.scheduler import Scheduler  # the heavy import: torch and the model code
-    try:
+           ready: Connection, failed: list[BaseException], parent: ParentWatch) -> None:
+    try:  # the import too: a broken one must reach the launcher as this replica's error, not exit 0
+        from radixlang.runtime.managers.scheduler import Scheduler  # the heavy import: torch and the model code
         scheduler = Scheduler(args)
     except BaseException as e:
         logger.exception("the scheduler failed to start")
@@ -68,7 +67,7 @@ def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
         return
     ipc = IpcNames(ipc_folder)
     loop = SchedulerLoop(scheduler, recv=pull_socket(ctx, ipc.scheduler(replica)),
-                         send=push_socket(ctx, ipc.detokenizer))
+                         send=push_socket(ctx, ipc.detokenizer), parent=parent)
     runner = scheduler.runner
     ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(), server_args=scheduler.args.to_dict(),
                                            model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
@@ -88,14 +87,14 @@ def _run_loop(loop: SchedulerLoop, failed: list[BaseException]) -> None:
 class SchedulerLoop:
     """recv every waiting message -> one ``step()`` -> send its outputs; sleeps on the socket when idle."""
 
-    def __init__(self, scheduler: Any, *, recv: zmq.Socket, send: zmq.Socket) -> None:
+    def __init__(self, scheduler: Any, *, recv: zmq.Socket, send: zmq.Socket,
+                 parent: ParentWatch | None = None) -> None:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
-        self.parent = ParentWatch()
+        self.parent = parent or ParentWatch()
 
     def run(self) -> None:
-        last_check = time.monotonic()
         while True:
             self.receive(timeout_ms=_IDLE_POLL_MS if self.scheduler.is_idle() else 0)
             if self.scheduler.is_idle():
@@ -104,11 +103,10 @@ class SchedulerLoop:
                 out = self.scheduler.step()
             if out is not None:
                 self.send.send(encode(out))
-            if time.monotonic() - last_check > 1.0:
-                last_check = time.monotonic()
-                if not self.parent.parent_alive():
-                    logger.warning("the server process is gone; the scheduler exits")
-                    return
+            # every step (one getppid call): a long prefill stops at its next chunk, not at its end
+            if not self.parent.parent_alive():
+                logger.warning("the server process is gone; the scheduler exits")
+                return
 
     def receive(self, *, timeout_ms: int) -> None:
         if not self.recv.poll(timeout_ms):

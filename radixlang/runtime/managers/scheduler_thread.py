@@ -67,6 +67,7 @@ class SchedulerThread:
             self.thread.join(timeout=10)
         if self.scheduler is not None:
             self.scheduler.runner.shutdown()  # tensor-parallel follower processes, if any
+            self.scheduler.grammars.close()  # grammar compile worker processes, if any
 
     def report(self) -> SchedulerReady:
         """What a scheduler process sends the launcher once it is ready (after ``wait_built``)."""
