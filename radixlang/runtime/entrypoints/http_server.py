@@ -6,8 +6,10 @@ Every front call is a coroutine, so the event loop keeps serving while requests 
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+from collections.abc import Awaitable
 from typing import Any, AsyncIterator
 
 import orjson
@@ -16,10 +18,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
     Front, GenerateRequest, chat_template_of, check_outputs, drop_first_input_logprob, error_response,
-    fill_logprob_text, model_name, named_field, parse_model, scored_logprob_start,
+    fill_logprob_text, install_error_handlers, model_name, named_field, parse_model, scored_logprob_start,
 )
+from radixlang.runtime.entrypoints.anthropic import serve_count_tokens, serve_messages
+from radixlang.runtime.entrypoints.anthropic_protocol import anthropic_error
 from radixlang.runtime.entrypoints.metrics import make_registry, render
+from radixlang.runtime.entrypoints.openai.responses import delete_response, get_response, serve_responses
+from radixlang.runtime.entrypoints.openai.responses_store import ResponseStore
 from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
+from radixlang.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.tokenizer_manager import RequestStream
 
@@ -29,18 +36,19 @@ logger = logging.getLogger(__name__)
 def create_app(engine: Front) -> FastAPI:
     args = engine.server_args
     app = FastAPI(title="radixlang")
+    install_error_handlers(app)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        # each API's clients parse its own error shape: Anthropic's for /v1/messages
+        fail = anthropic_error if request.url.path.startswith("/v1/messages") else error_response
         if engine.draining:
-            return error_response(503, "the server is shutting down")
-        if args.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            return fail(503, "the server is shutting down")
+        if args.api_key and request.url.path != "/health" and not _authorized(request, args.api_key):
+            return fail(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > args.max_request_body_bytes:
-            return error_response(413, f"request body over {args.max_request_body_bytes} bytes")
+            return fail(413, f"request body over {args.max_request_body_bytes} bytes")
         return await call_next(request)
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -105,7 +113,10 @@ def create_app(engine: Front) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        req = parse_model(GenerateRequest, await body_of(request))
+        return await until_disconnected(request, _generate(request, await body_of(request)))
+
+    async def _generate(request: Request, body: dict[str, Any]) -> Response:
+        req = parse_model(GenerateRequest, body)
         start = scored_logprob_start(engine.tokenizer, req)
         kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
               "return_logprob": req.return_logprob, "logprob_start_len": start,
@@ -134,13 +145,75 @@ def create_app(engine: Front) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve_completions(engine, await body_of(request))
+        return await until_disconnected(request, serve_completions(engine, await body_of(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve_chat(engine, await body_of(request))
+        return await until_disconnected(request, serve_chat(engine, await body_of(request)))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await until_disconnected(request, serve_messages(engine, await request.body()))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await serve_count_tokens(engine, await request.body())
+
+    add_tokenize_routes(app, engine)
+
+    responses = ResponseStore()  # store / previous_response_id: bounded, in this process's memory
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await until_disconnected(request, serve_responses(engine, responses, await body_of(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return await get_response(responses, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> Response:
+        return await delete_response(responses, response_id)
 
     return app
+
+
+def _authorized(request: Request, key: str) -> bool:
+    """The key as OpenAI clients send it (Authorization: Bearer) or as Anthropic's do (x-api-key)."""
+    bearer = request.headers.get("authorization", "").encode()
+    api_key = request.headers.get("x-api-key", "").encode()
+    return hmac.compare_digest(bearer, f"Bearer {key}".encode()) or hmac.compare_digest(api_key, key.encode())
+
+
+async def until_disconnected(request: Request, handling: Awaitable[Response]) -> Response:
+    """Run a route's ``handling`` until it returns or the client goes away, whichever comes first.
+
+    uvicorn does not cancel a handler whose client left, so a non-streaming generate would decode to its
+    end for nobody. Here a disconnect cancels ``handling``; the front's ``agenerate`` aborts whatever it
+    submitted when cancelled. A stream is returned at once and aborts itself (``_sse``, ``_openai_sse``).
+    The body must have been read: what ``request.receive`` yields after it is the disconnect.
+    """
+    work = asyncio.ensure_future(handling)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left (or this handler was cancelled): stop what it runs
+            work.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    try:
+        await work
+    except asyncio.CancelledError:
+        pass
+    logger.info("%s %s: the client disconnected; its request was aborted", request.method, request.url.path)
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(request: Request, it: RequestStream, fill: Any = None) -> AsyncIterator[bytes]:
