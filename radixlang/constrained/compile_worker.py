@@ -121,7 +121,10 @@ class GrammarBuilder:
             bodies = [json_schema_to_regex(json.dumps(prepare_schema(s.schema, c.backend, "structural_tag")),
                                            whitespace_pattern=c.whitespace_pattern, any_depth=c.any_json_depth)
                       for s in tag.structures]
-            regex = forced_tag_regex(tag, bodies)
+            answer = (None if tag.answer_schema is None else json_schema_to_regex(
+                json.dumps(prepare_schema(tag.answer_schema, c.backend, "structural_tag")),
+                whitespace_pattern=c.whitespace_pattern, any_depth=c.any_json_depth))
+            regex = forced_tag_regex(tag, bodies, answer)
         else:
             regex = json_schema_to_regex(None if schema is None else json.dumps(schema),
                                          whitespace_pattern=c.whitespace_pattern, any_depth=c.any_json_depth)

@@ -8,7 +8,7 @@ wraps that text into per-request matchers.
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from typing import Any
 
 import llguidance as llg
@@ -17,6 +17,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from radixlang.constrained.errors import one_line
 from radixlang.constrained.schema_policy import prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
+from radixlang.constrained.structural_tag_lark import block_tag_lark, forced_tag_lark
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 # compact separators, as the outlines backend writes JSON by default
@@ -36,11 +37,6 @@ class _ByteTokenizer:
 
     def __call__(self, data: bytes) -> list[int]:
         return [self._single[b] for b in data if self._single[b] >= 0]
-
-
-def _lark_str(text: str) -> str:
-    """A Lark string literal for text (nothing for the empty string)."""
-    return json.dumps(text) if text else ""
 
 
 class LLGuidanceCompiler:
@@ -75,10 +71,15 @@ class LLGuidanceCompiler:
             except Exception as e:  # the converter raises bare exceptions for GBNF it can't read
                 raise ValueError(f"invalid ebnf grammar for llguidance: {str(e)[:300]}") from None
             grammar = llg.LLMatcher.grammar_from_lark(lark)
-        elif parse_structural_tag(spec).forced:  # type: ignore[arg-type]
-            grammar = self._forced_tag(spec)
+        elif (tag := parse_structural_tag(spec)).forced or tag.block:  # type: ignore[arg-type]
+            schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
+            if tag.forced:
+                answer = (None if tag.answer_schema is None
+                          else prepare_schema(tag.answer_schema, self.name, "structural_tag"))
+                grammar = forced_tag_lark(replace(tag, answer_schema=answer), schemas, self.json_options())
+            else:
+                grammar = block_tag_lark(tag, schemas, self.json_options())
         else:
-            tag = parse_structural_tag(spec)  # type: ignore[arg-type]
             schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
             options = self.json_options()
             tags = [llg.StructTag(trigger=tag.trigger_of(s), begin=s.begin, end=s.end,
@@ -99,16 +100,3 @@ class LLGuidanceCompiler:
         if matcher.is_error():  # a panic inside llguidance comes with a backtrace: its first line says it
             raise ValueError(f"invalid grammar for llguidance: {one_line(matcher.get_error())}")
         return matcher
-
-    def _forced_tag(self, spec: str | None) -> str:
-        """A forced structural tag as Lark: prefix, the structures (each a JSON body) joined by separator, suffix."""
-        tag = parse_structural_tag(spec)  # type: ignore[arg-type]
-        options = self.json_options()
-        rules = []
-        for i, s in enumerate(tag.structures):
-            schema = prepare_schema(s.schema, self.name, "structural_tag")
-            body = {**schema, "x-guidance": options} if isinstance(schema, dict) else schema
-            rules.append(f"call_{i}: {_lark_str(s.begin)} %json {json.dumps(body)} {_lark_str(s.end)}")
-        more = "" if tag.stop_after_first else f" ({_lark_str(tag.separator)} call)*"
-        return "\n".join([f"start: {_lark_str(tag.prefix)} call{more} {_lark_str(tag.suffix)}",
-                          "call: " + " | ".join(f"call_{i}" for i in range(len(rules))), *rules]) + "\n"

@@ -12,6 +12,7 @@ from radixlang.constrained.errors import UnsupportedGrammar, one_line
 from radixlang.constrained.library_grammar import MatcherCompiled, MatcherGrammar, spellable_mask
 from radixlang.constrained.schema_policy import check_whitespace_pattern, prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
+from radixlang.constrained.structural_tag_xgrammar import block_tag_format, forced_tag_format
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 KINDS = ("regex", "json", "ebnf", "structural_tag")
@@ -84,15 +85,12 @@ class XGrammarBackend:
     def _structural_tag(self, spec: str | None) -> Any:
         tag = parse_structural_tag(spec)  # type: ignore[arg-type]
         schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
-        if not tag.forced:
-            items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(schema), end=s.end)
-                     for s, schema in zip(tag.structures, schemas)]
-            return xg.StructuralTag.from_legacy_structural_tag(items, list(tag.triggers))
-        st = xg.structural_tag
-        tags = [st.TagFormat(begin=s.begin, content=st.JSONSchemaFormat(json_schema=schema), end=s.end)
-                for s, schema in zip(tag.structures, schemas)]
-        calls = st.TagsWithSeparatorFormat(tags=tags, separator=tag.separator, at_least_one=True,
-                                           stop_after_first=tag.stop_after_first)
-        parts = [st.ConstStringFormat(value=tag.prefix)] if tag.prefix else []
-        parts += [calls] + ([st.ConstStringFormat(value=tag.suffix)] if tag.suffix else [])
-        return st.StructuralTag(format=parts[0] if len(parts) == 1 else st.SequenceFormat(elements=parts))
+        if tag.forced:
+            answer = (None if tag.answer_schema is None
+                      else prepare_schema(tag.answer_schema, self.name, "structural_tag"))
+            return forced_tag_format(tag, schemas, answer)
+        if tag.block:
+            return block_tag_format(tag, schemas)
+        items = [xg.StructuralTagItem(begin=s.begin, schema=json.dumps(schema), end=s.end)
+                 for s, schema in zip(tag.structures, schemas)]
+        return xg.StructuralTag.from_legacy_structural_tag(items, list(tag.triggers))

@@ -13,11 +13,15 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
-    meta: dict[str, Any] = {"help": help}
+REDACTED = "<redacted>"
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, *, secret: bool = False) -> Any:
+    meta: dict[str, Any] = {"help": help, "secret": secret}
     if choices is not None:
         meta["choices"] = choices
-    return field(default=default, metadata=meta)
+    # a secret stays out of repr: a logged or raised ServerArgs must not carry it
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +31,9 @@ class ServerArgs:
                                       "absent: the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _f(None, "tokenizer folder; defaults to the model's")
     load_format: str = _f("auto", "how to read weights", ("auto", "safetensors", "gguf", "dummy"))
-    served_model_name: str | None = _f(None, "model name reported by the API; defaults to the model path")
+    served_model_name: str | None = _f(None, "the model id the OpenAI API lists and accepts (with \"default\"); "
+                                             "defaults to the model's own name: a hub id, a folder's name, a "
+                                             "GGUF file's stem")
     context_length: int | None = _f(None, "max tokens per request (prompt + output); defaults to the model's")
     dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA (on the CPU the KV pool and "
                                   "attention stay float32)",
@@ -43,8 +49,13 @@ class ServerArgs:
     num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "
                                           "divided among a node's processes (dp replicas x tensor-parallel ranks)")
     # memory and scheduling
-    max_total_tokens: int | None = _f(None, "KV pool size in tokens; defaults from mem_fraction_static")
-    mem_fraction_static: float = _f(0.15, "fraction of free memory for the KV pool when max_total_tokens is unset")
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens; defaults from mem_fraction_static (a larger "
+                                            "pool than the memory available is kept, with a warning)")
+    mem_fraction_static: float | None = _f(None, "share of the device's total memory for the weights and the KV "
+                                                 "pool together (SGLang's meaning) when max_total_tokens is unset; "
+                                                 "auto: 0.88 on CUDA; on the CPU the pool gets a tenth of the host "
+                                                 "memory the weights leave, split between the node's processes. "
+                                                 "Never more than is available without a warning")
     max_running_requests: int = _f(256, "max requests decoding at once")
     max_prefill_tokens: int = _f(8192, "max new prompt tokens in one prefill batch")
     chunked_prefill_size: int = _f(2048, "split prompts longer than this into chunks (-1 disables)")
@@ -66,7 +77,8 @@ class ServerArgs:
     constrained_json_whitespace_pattern: str | None = _f(None, "regex for the whitespace allowed between JSON tokens "
                                                                "(outlines, llguidance: any regex; xgrammar: '', "
                                                                "[ \\t\\n\\r]* or [ \\t\\n\\r]{0,N})")
-    grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile before its request fails")
+    grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to check and compile (in a "
+                                                  "worker process, killed past it) before its request fails")
     # speculative decoding
     speculative_algorithm: str | None = _f(None, "draft tokens and check them in one forward: ngram drafts the "
                                                  "tokens that followed the latest earlier occurrence of the "
@@ -81,30 +93,36 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = _f(1, "shortest suffix n-gram ngram drafting matches")
     speculative_ngram_max_match_window_size: int = _f(3, "longest suffix n-gram ngram drafting matches (tried first)")
     # chat (OpenAI routes)
-    chat_template: str | None = _f(None, "a Jinja chat template file whose text replaces the tokenizer's")
+    chat_template: str | None = _f(None, "a Jinja chat template file, or a built-in one (chatml, gemma, llama-3), "
+                                         "replacing the tokenizer's (a base model has none)")
     tool_call_parser: str = _f("auto", "tool-call format of the model's replies (auto: from the chat template's "
                                        "markers, else hermes)",
                                ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseekv3", "pythonic",
                                 "gpt-oss"))
     reasoning_parser: str | None = _f(None, "split the reply's reasoning into reasoning_content",
                                       (None, "deepseek-r1", "qwen3", "gpt-oss"))
+    disable_tool_call_constraint: bool = _f(False, "with tool_choice auto, parse the model's tool calls as "
+                                                   "written instead of holding each call, once its start marker "
+                                                   "is written, to its tool's schema by a structural tag")
     # kernels
-    attention_backend: str = _f("auto", "attention kernels (auto: flashinfer or triton on CUDA; on the CPU, cpu "
-                                        "when radixlang's CPU kernels build, else torch)",
+    attention_backend: str = _f("auto", "attention kernels (auto on CUDA: flashinfer where its kernels are prebuilt "
+                                        "or its JIT finds nvcc and ninja, else triton; on the CPU, cpu when "
+                                        "radixlang's CPU kernels build, else torch; the start log says why)",
                                 ("auto", "torch", "cpu", "triton", "flashinfer"))
     disable_cpu_kernels: bool = _f(False, "use PyTorch ops instead of radixlang's compiled CPU kernels (fused "
                                           "norms, rotary, SwiGLU; paged decode attention)")
     disable_weight_packing: bool = _f(False, "keep plain float weights on the CPU instead of packing the linears "
                                              "into oneDNN's blocked layout (packed is ~1.5-2x faster)")
-    flashinfer_backend: str = _f("auto", "FlashInfer's prefill kernels (auto: fa3 on Hopper, fa2 elsewhere)",
-                                 ("auto", "fa2", "fa3"))
+    flashinfer_backend: str = _f("auto", "FlashInfer's prefill kernels (auto: the ragged prefill on fa3 on Hopper, "
+                                         "fa2 elsewhere; the paged prefix prefill and decode on fa2; fa2 / fa3: "
+                                         "both prefills on it)", ("auto", "fa2", "fa3"))
     disable_cuda_graph: bool = _f(False, "run decode eagerly on CUDA (graphs are captured at start for batch "
                                          "sizes 1, 2, 4, 8 and multiples of 8 up to cuda_graph_max_bs)")
     cuda_graph_max_bs: int = _f(160, "largest decode batch captured as a CUDA graph; larger ones run eagerly")
     # server
     host: str = _f("127.0.0.1", "HTTP bind address")
     port: int = _f(30000, "HTTP port")
-    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every route but /health", secret=True)
     enable_metrics: bool = _f(True, "expose Prometheus /metrics")
     max_request_body_bytes: int = _f(16 * 1024 * 1024, "reject larger request bodies with 413")
     log_level: str = _f("info", "logging level", ("debug", "info", "warning", "error"))
@@ -119,6 +137,8 @@ class ServerArgs:
     dist_init_addr: str | None = _f(None, "host:port where rank 0 hosts torch.distributed's rendezvous; "
                                           "required with nnodes > 1; default: 127.0.0.1 and a free port")
     dp_size: int = _f(1, "data-parallel replicas: each loads its own weights and has its own KV pool and radix cache")
+    base_gpu_id: int = _f(0, "CUDA: the first GPU this server uses; dp replica i runs its tensor-parallel ranks on "
+                             "the GPUs from base_gpu_id + i x (tp_size / nnodes) on")
     load_balance_method: str = _f("cache_aware", "how requests are spread over dp replicas: cache_aware (the replica "
                                                  "whose prefix tree matches the prompt longest, unless that match is "
                                                  "short or the replica is overloaded) or round_robin",
@@ -142,11 +162,12 @@ class ServerArgs:
         if self.constrained_json_whitespace_pattern is not None:  # refused at start if the backend can't write it
             from radixlang.constrained.schema_policy import check_whitespace_pattern
             check_whitespace_pattern(self.grammar_backend, self.constrained_json_whitespace_pattern)
-        if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"chat_template must be a Jinja template file, got {self.chat_template!r} (no such file)")
+        if self.chat_template is not None:
+            from radixlang.runtime.tokenizer_source import check_chat_template
+            check_chat_template(self.chat_template)
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
@@ -154,6 +175,8 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
 
     def _check_parallel(self) -> None:
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
         if self.tp_size % self.nnodes:
@@ -200,17 +223,41 @@ class ServerArgs:
                 changes["quantization"] = "gguf"
         dtype = changes.get("dtype", self.dtype)
         if self.attention_backend == "auto":
-            changes["attention_backend"] = _pick_attention_backend(device, self.disable_cpu_kernels, dtype)
+            backend, why = _pick_attention_backend(device, self.disable_cpu_kernels, dtype)
+            changes["attention_backend"] = backend
+            logger.info("attention backend auto -> %s: %s", backend, why)
+        if self.mem_fraction_static is None and device == "cuda":  # the CPU's default depends on the model
+            from radixlang.runtime.model_executor.kv_sizing import CUDA_MEM_FRACTION
+            changes["mem_fraction_static"] = CUDA_MEM_FRACTION
         if self.num_threads is None and device == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             # every process of the node shares its cores: each dp replica's tensor-parallel ranks on this node
             changes["num_threads"] = max(1, cores // (self.dp_size * (self.tp_size // self.nnodes)))
+        if self.served_model_name is None:
+            changes["served_model_name"] = _own_model_name(self.model_path)
         if changes:
             logger.info("resolved: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
         return dataclasses.replace(self, **changes)
 
+    def for_replica(self, index: int) -> ServerArgs:
+        """The args dp replica ``index`` runs with: on CUDA, its GPUs start after the earlier replicas' ones."""
+        if not 0 <= index < self.dp_size:
+            raise ValueError(f"dp replica index must be in [0, {self.dp_size}), got {index}")
+        if index == 0:
+            return self
+        return dataclasses.replace(self, base_gpu_id=self.base_gpu_id + index * (self.tp_size // self.nnodes))
+
     def to_dict(self) -> dict[str, Any]:
+        """Every field, secrets included: for the server's own processes, never for a reply or a log."""
         return dataclasses.asdict(self)
+
+    def to_public_dict(self) -> dict[str, Any]:
+        """``to_dict`` with each secret that is set replaced by REDACTED: what info routes report."""
+        out = self.to_dict()
+        for f in dataclasses.fields(self):
+            if f.metadata.get("secret") and out[f.name] is not None:
+                out[f.name] = REDACTED
+        return out
 
     # -- CLI generated from the fields -------------------------------------------------
     @classmethod
@@ -238,6 +285,22 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
+def _own_model_name(model_path: str | None) -> str:
+    """A model's own name, never a path of this machine: a hub id as given, a folder's name, a GGUF
+    file's stem (the embedded model's when no path is given)."""
+    if model_path is None:
+        from radixlang.runtime.models.loader import default_model_path
+        try:
+            model_path = default_model_path()
+        except FileNotFoundError:  # the scheduler reports the missing model; the name is moot
+            return "default"
+    path = model_path.rstrip("/" + os.sep)
+    if not os.path.exists(path) and path.count("/") == 1:  # a hub id: org/name
+        return path
+    name = os.path.basename(path) or "default"
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
 def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
     """Whether the model is a GGUF file holding quantized blocks served natively (--quantization gguf)."""
     from radixlang.runtime.models.gguf_quant import is_quantized_gguf
@@ -250,22 +313,25 @@ def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
         return False
 
 
-def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False, dtype: str = "bfloat16") -> str:
-
+def _pick_attention_backend(device: str, disable_cpu_kernels: bool = False,
+                            dtype: str = "bfloat16") -> tuple[str, str]:
+    """The backend "auto" stands for, and why (for the start log)."""
     if device != "cuda":
         if device == "cpu" and not disable_cpu_kernels:
             from radixlang.kernels import cpu as cpu_ops
             if cpu_ops.available():
-                return "cpu"
-        return "torch"
-    if dtype != "float32":  # FlashInfer runs float16 / bfloat16 only; triton and torch run float32 too
-        try:
-            import flashinfer  # noqa: F401
-            return "flashinfer"
-        except ImportError:
-            pass
+                return "cpu", "radixlang's CPU kernels build here"
+        return "torch", "the CPU kernels are disabled or do not build" if device == "cpu" else f"device {device}"
+    if dtype == "float32":  # FlashInfer runs float16 / bfloat16 only; triton and torch run float32 too
+        why = "FlashInfer runs float16 / bfloat16 only, the dtype is float32"
+    else:
+        from radixlang.kernels.attention.flashinfer_probe import flashinfer_status
+        status = flashinfer_status()
+        if status.usable:
+            return "flashinfer", f"FlashInfer can run: {status.reason}"
+        why = f"FlashInfer cannot run: {status.reason}"
     try:
         import triton  # noqa: F401
-        return "triton"
+        return "triton", why
     except ImportError:
-        return "torch"
+        return "torch", f"{why}; triton is not installed"

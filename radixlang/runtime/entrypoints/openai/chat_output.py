@@ -17,16 +17,17 @@ from radixlang.runtime.entrypoints.openai.tool_parsers.llama3 import BareJsonPar
 
 class ChatOutput:
     """Parsers for one choice; ``forced``: the reply is nothing but grammar-forced calls in the tool-call
-    parser's own format (``forced_tag``), or as bare JSON objects for a format without JSON arguments."""
+    parser's own format (``forced_tag``), or as bare JSON objects for a format without JSON arguments;
+    ``answer_format``: such calls or else an answer in the response_format (tools and a format together)."""
 
     def __init__(self, *, tool_parser: str | None, reasoning_parser: str | None, chat_template: str | None,
                  tool_names: set[str], forced: bool, parallel: bool, separate_reasoning: bool = True,
-                 drop: tuple[str, ...] = ()) -> None:
+                 drop: tuple[str, ...] = (), answer_format: bool = False) -> None:
         self.drop = drop  # special tokens (EOS ...) the text carries because markers made us keep them
         self.reasoning: ReasoningParser | None = (
             make_reasoning_parser(reasoning_parser) if reasoning_parser and separate_reasoning else None)
         self.tools: ToolParser | None = None
-        if forced:
+        if forced or (answer_format and tool_names):
             self.tools = make_tool_parser(tool_parser or "auto", chat_template, tool_names)
             if self.tools.call_end is None:
                 self.tools = BareJsonParser(tool_names)
@@ -85,6 +86,10 @@ class ChatOutput:
         tag = self.tools.forced_tag(tools, parallel=self.parallel)
         assert tag is not None  # a format without JSON arguments was replaced by BareJsonParser
         return tag
+
+    def auto_tag(self, tools: list[tuple[str, Any]]) -> dict[str, Any] | None:
+        """The structural tag holding tool_choice auto calls to their schemas; None: the format has no trigger."""
+        return None if self.tools is None else self.tools.auto_tag(tools, parallel=self.parallel)
 
     def _clean(self, text: str) -> str:
         for token in self.drop:

@@ -202,7 +202,8 @@ def chat_constraint(req: ChatRequest, tools: list[Tool]) -> tuple[str, str] | No
 
 
 def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: str | None = None, *,
-                call_format: str = _TOOL_CALL_OPEN + '{"name": NAME, "arguments": {...}}' + _TOOL_CALL_CLOSE) -> str:
+                call_format: str = _TOOL_CALL_OPEN + '{"name": NAME, "arguments": {...}}' + _TOOL_CALL_CLOSE,
+                add_generation_prompt: bool = True) -> str:
     """The prompt text; ``template`` (--chat-template's text) replaces the tokenizer's chat template;
     ``call_format`` is how the tool-call parser in use expects a call (told when the template has no tools)."""
     template = template or getattr(tokenizer, "chat_template", None)
@@ -223,7 +224,8 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, tools: list[Tool], template: s
     if template is not None:
         kwargs["chat_template"] = template
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as e:  # jinja raises its own errors for message orders a template refuses
         raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import Callable
+from typing import Any, AsyncIterator, NamedTuple
 
 import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -12,11 +14,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixlang.runtime.entrypoints.http_common import (
     Front, chat_template_of, check_outputs, model_name, named_field, parse_model, unknown_model,
 )
-from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers
+from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers, special_tokens
 from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
 from radixlang.runtime.entrypoints.openai.protocol import (
     ChatRequest, CompletionRequest, Tool, active_tools, chat_constraint, chat_logprobs, chat_prompt,
     completion_logprobs, echo_logprobs, envelope, finish_reason, to_sampling, usage,
+)
+from radixlang.runtime.entrypoints.openai.tool_constraint import (
+    answer_constraint, answers_in_format, auto_call_constraint, holds_auto_calls,
 )
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.managers.tokenizer_manager import RequestStream
@@ -43,6 +48,26 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(ChatRequest, body)
     if (missing := unknown_model(engine, req.model)) is not None:
         return missing
+    chat = prepare_chat(engine, req)
+    return await _serve_openai(engine, req, [chat.ids], chat.params, chat=True, tools=chat.tools,
+                               top_logprobs=chat.top_logprobs, drop=chat.drop,
+                               grammar_field=_grammar_field(req, chat.tools))
+
+
+class PreparedChat(NamedTuple):
+    """A chat request made ready to run: what the chat route submits (the Anthropic route and /tokenize
+    reuse it, so every route renders and tokenizes a conversation the same way)."""
+    prompt: str  # the rendered template
+    ids: list[int]  # the prompt's token ids
+    params: dict[str, Any]  # sampling params for one choice
+    tools: list[Tool]  # the tools in play (none under tool_choice "none")
+    top_logprobs: int | None
+    drop: tuple[str, ...]  # special tokens to drop from the text before parsing
+    output: Callable[[], ChatOutput]  # a fresh parser for one choice's text (reasoning, then tool calls)
+
+
+def prepare_chat(engine: Front, req: ChatRequest, *, add_generation_prompt: bool = True) -> PreparedChat:
+    """Check, render and tokenize a chat request; its sampling params with the constraint it imposes."""
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     if req.store:
@@ -57,11 +82,20 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     if _forced(req, tools):  # the calls in the parser's own format, arguments under each tool's schema
         tag = probe.forced_tag([(t.function.name, t.function.parameters) for t in tools])
         constraint = ("structural_tag", json.dumps(tag))
+    elif constraint is not None and answers_in_format(req, tools):  # a call, or an answer in the format
+        constraint = answer_constraint(probe, tools, constraint)
     prompt = chat_prompt(engine.tokenizer, req, tools, chat_template_of(engine) if engine.server_args.chat_template
-                         else None, call_format=_call_format(req, tools, probe))
+                         else None, call_format=_call_format(req, tools, probe),
+                         add_generation_prompt=add_generation_prompt)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling(req, constraint)
     _constrain_after_reasoning(engine, req, params)
+    args = engine.server_args
+    if holds_auto_calls(req, tools, disabled=args.disable_tool_call_constraint):
+        # free text until a call's trigger, so it never waits for the reasoning's end
+        params["structural_tag"] = auto_call_constraint(
+            probe, tools, tool_call_parser=args.tool_call_parser, chat_template=chat_template_of(engine),
+            grammar_backend=args.grammar_backend, special=special_tokens(engine.tokenizer))
     keep, drop = keep_special_markers(probe, engine.tokenizer)
     if keep and req.skip_special_tokens is None:  # the format's markers are special tokens: decode them
         params["skip_special_tokens"] = False
@@ -69,8 +103,8 @@ async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
         drop = ()
     # the template wrote the special tokens (a BOS too): tokenized as apply_chat_template(tokenize=True) does
     ids = encode_chat(engine.tokenizer, prompt)
-    return await _serve_openai(engine, req, [ids], params, chat=True, tools=tools, top_logprobs=top, drop=drop,
-                               grammar_field=_grammar_field(req, tools))
+    return PreparedChat(prompt=prompt, ids=ids, params=params, tools=tools, top_logprobs=top, drop=drop,
+                        output=functools.partial(_chat_output, engine, req, tools, drop=drop))
 
 
 _GRAMMAR_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
@@ -99,13 +133,14 @@ def _chat_output(engine: Front, req: ChatRequest, tools: list[Tool], *, drop: tu
     return ChatOutput(tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                       chat_template=chat_template_of(engine), tool_names={t.function.name for t in tools},
                       forced=_forced(req, tools), parallel=_parallel(req, tools),
-                      separate_reasoning=req.separate_reasoning, drop=drop)
+                      separate_reasoning=req.separate_reasoning, drop=drop,
+                      answer_format=answers_in_format(req, tools))
 
 
 def _parallel(req: ChatRequest, tools: list[Tool]) -> bool:
     """Whether a reply may hold several calls: a forced tool_choice answers with one call unless the
     request asks for parallel calls (a model left to repeat itself would make the same call again)."""
-    if _forced(req, tools):
+    if _forced(req, tools) or answers_in_format(req, tools):
         return req.parallel_tool_calls is True
     return req.parallel_tool_calls is not False
 
@@ -113,7 +148,7 @@ def _parallel(req: ChatRequest, tools: list[Tool]) -> bool:
 def _grammar_field(req: Any, tools: list[Tool]) -> str | None:
     """The chat request field a refused grammar came from, when the server built it (a response_format
     schema, a forced call's tools); None: the caller's own regex / json_schema / ebnf, named as they are."""
-    if _forced(req, tools):
+    if _forced(req, tools) or holds_auto_calls(req, tools, disabled=False):
         return "tools"
     fmt = getattr(req, "response_format", None)
     return "response_format" if fmt is not None and fmt.type != "text" else None

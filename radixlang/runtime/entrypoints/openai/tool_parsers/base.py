@@ -66,6 +66,10 @@ class ToolParser:
     # each call is call_begin(name), the arguments as JSON, call_end (None: the format has no JSON arguments)
     call_end: str | None = None
     call_prefix = call_separator = call_suffix = ""
+    # tool_choice auto: the marker every call opens with in free text (None: none, so calls cannot be held to
+    # their schemas), and whether a reply may also open with the calls' bare JSON (llama3)
+    call_trigger: str | None = None
+    bare_start = False
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names  # None: accept any name
@@ -93,6 +97,23 @@ class ToolParser:
                 "separator": self.call_separator, "suffix": self.call_suffix, "stop_after_first": not parallel,
                 "structures": [{"begin": self.call_begin(name), "schema": schema, "end": self.call_end}
                                for name, schema in tools]}
+
+    def auto_call_begin(self, name: str) -> str:
+        """A call's opening in free text (from its trigger on, the trigger included); as forced by default."""
+        return self.call_begin(name)
+
+    def auto_tag(self, tools: list[tuple[str, Any]], *, parallel: bool) -> dict[str, Any] | None:
+        """The structural tag of tool_choice auto: free text, and from the call trigger on a block of calls
+        (one unless ``parallel``) held to their tools' schemas; None when the format has no trigger."""
+        if self.call_trigger is None or self.call_end is None:
+            return None
+        tag = {"type": "structural_tag", "triggers": [self.call_trigger], "prefix": self.call_prefix,
+               "separator": self.call_separator, "suffix": self.call_suffix, "stop_after_first": not parallel,
+               "structures": [{"begin": self.auto_call_begin(name), "schema": schema, "end": self.call_end}
+                              for name, schema in tools]}
+        if self.bare_start:
+            tag["bare_start"] = True
+        return tag
 
     def parse(self, text: str) -> ParseResult:
         """The whole output at once; a call whose arguments are not a JSON object is no call."""

@@ -40,6 +40,7 @@ class DeepSeekV3Parser(ToolParser):
     syntax = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
     example = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}NAME\n```json\n{{...}}\n```{CALL_END}{CALLS_END}"
     call_end, call_prefix, call_separator, call_suffix = "\n```" + CALL_END, CALLS_BEGIN, "\n", CALLS_END
+    call_trigger = CALLS_BEGIN
 
     def call_begin(self, name: str) -> str:
         return f"{CALL_BEGIN}function{SEP}{name}\n{FENCE}\n"

@@ -76,9 +76,14 @@ class GptOssParser(ToolParser):
     syntax = (START, CHANNEL, MESSAGE, "<|constrain|>", *ENDS)
     example = "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>"
     call_end, call_separator = "<|call|>", START + "assistant"
+    # in auto mode the recipient is the trigger: a header may name it before or after the channel
+    call_trigger = "to=functions."
 
     def call_begin(self, name: str) -> str:
         return f"{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}"
+
+    def auto_call_begin(self, name: str) -> str:
+        return f"to=functions.{name} <|constrain|>json{MESSAGE}"
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         snap = Snapshot()

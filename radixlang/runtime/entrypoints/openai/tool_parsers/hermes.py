@@ -55,6 +55,7 @@ class HermesParser(ToolParser):
     markers = (OPEN,)
     syntax = (OPEN, CLOSE)
     call_end, call_separator = "}\n" + CLOSE, "\n"
+    call_trigger = OPEN
 
     def call_begin(self, name: str) -> str:
         return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '

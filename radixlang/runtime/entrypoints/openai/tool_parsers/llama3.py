@@ -37,6 +37,7 @@ class Llama3JsonParser(ToolParser):
     syntax = (PYTHON_TAG,)
     example = '{"name": NAME, "parameters": {...}}'
     call_end, call_prefix, call_separator = "}", PYTHON_TAG, "; "
+    call_trigger, bare_start = PYTHON_TAG, True
 
     def call_begin(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "parameters": '
@@ -66,6 +67,7 @@ class BareJsonParser(Llama3JsonParser):
     name = "json"
     example = '{"name": NAME, "arguments": {...}}'
     call_prefix, call_separator = "", "\n"
+    call_trigger, bare_start = None, False  # only ever forced
 
     def call_begin(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "arguments": '

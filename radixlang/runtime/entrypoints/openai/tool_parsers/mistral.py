@@ -15,6 +15,7 @@ class MistralParser(ToolParser):
     syntax = (MARKER,)
     example = '[TOOL_CALLS] [{"name": NAME, "arguments": {...}}]'
     call_end, call_prefix, call_separator, call_suffix = "}", MARKER + " [", ", ", "]"
+    call_trigger = MARKER
 
     def call_begin(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "arguments": '
