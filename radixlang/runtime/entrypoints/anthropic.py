@@ -19,7 +19,7 @@ from radixlang.runtime.entrypoints.anthropic_protocol import (
     CountTokensRequest, MessagesRequest, anthropic_error, chat_body, content_blocks, error_body, stop_reason, usage,
 )
 from radixlang.runtime.entrypoints.http_common import (
-    Front, chat_template_of, check_outputs, model_name, named_field, parse_model, unknown_model,
+    Front, chat_template_of, check_outputs, json_object, model_name, named_field, parse_model, unknown_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest
@@ -56,21 +56,11 @@ async def _in_anthropic_shape(handling: Awaitable[Response]) -> Response:
 
 
 async def _count_tokens(engine: Front, raw: bytes) -> Response:
-    req = parse_model(CountTokensRequest, _json_object(raw))
+    req = parse_model(CountTokensRequest, json_object(raw))
     if (missing := _unknown_model(engine, req.model)) is not None:
         return missing
     ids, _ = _prepare(engine, req)
     return JSONResponse({"input_tokens": len(ids)})
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    return body
 
 
 def _anthropic_message(e: RequestError) -> str:
@@ -102,7 +92,7 @@ def _prepare(engine: Front, req: MessagesRequest) -> tuple[list[int], PreparedCh
 
 
 async def _messages(engine: Front, raw: bytes) -> Response:
-    req = parse_model(MessagesRequest, _json_object(raw))
+    req = parse_model(MessagesRequest, json_object(raw))
     if (missing := _unknown_model(engine, req.model)) is not None:
         return missing
     ids, chat = _prepare(engine, req)

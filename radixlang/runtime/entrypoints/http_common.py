@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import orjson
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -56,6 +57,17 @@ class GenerateRequest(pydantic.BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body: one JSON object, else a RequestError saying what came."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
 
 
 def chat_template_of(engine: Front) -> str | None:

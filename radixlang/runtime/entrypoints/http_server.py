@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
     Front, GenerateRequest, chat_template_of, check_outputs, drop_first_input_logprob, error_response,
-    fill_logprob_text, install_error_handlers, model_name, named_field, parse_model, scored_logprob_start,
+    fill_logprob_text, install_error_handlers, json_object, model_name, named_field, parse_model, scored_logprob_start,
 )
 from radixlang.runtime.entrypoints.anthropic import serve_count_tokens, serve_messages
 from radixlang.runtime.entrypoints.anthropic_protocol import anthropic_error
@@ -52,13 +52,7 @@ def create_app(engine: Front) -> FastAPI:
         return await call_next(request)
 
     async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        return body
+        return json_object(await request.body())
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:

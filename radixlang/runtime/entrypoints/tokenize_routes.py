@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixlang.runtime.entrypoints.http_common import Front, chat_template_of, parse_model
+from radixlang.runtime.entrypoints.http_common import Front, chat_template_of, json_object, parse_model
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest
 from radixlang.runtime.entrypoints.openai.serving import prepare_chat
 from radixlang.runtime.errors import RequestError
@@ -55,13 +54,13 @@ class Detokenize(BaseModel):
 def add_tokenize_routes(app: FastAPI, engine: Front) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        ids, strs = tokenize_body(engine, _json_object(await request.body()))
+        ids, strs = tokenize_body(engine, json_object(await request.body()))
         info = await engine.get_server_info()
         return {"count": len(ids), "max_model_len": info.get("context_length"), "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_model(Detokenize, _json_object(await request.body()))
+        req = parse_model(Detokenize, json_object(await request.body()))
         vocab = len(engine.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -123,13 +122,3 @@ def _plain(value: Any) -> Any:
         out = {str(k): _plain(v) for k, v in value.items()}
         return out if all(v is not None for v in out.values()) else None
     return None
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    return body
