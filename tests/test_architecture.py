@@ -16,14 +16,19 @@ FORBIDDEN = {
     "kernels": ("radixlang.runtime", "radixlang.lang", "radixlang.radix_cache", "radixlang.constrained"),
     "runtime": ("radixlang.lang",),
     # the runtime's rooms, lowest first: each may import only the rooms below it
-    "runtime/sampling": tuple(RT + r for r in ("mem_cache", "models", "model_executor", "managers", "dp",
-                                               "entrypoints")),
-    "runtime/dp": tuple(RT + r for r in ("sampling", "mem_cache", "models", "model_executor", "managers",
-                                         "entrypoints")),
-    "runtime/mem_cache": tuple(RT + r for r in ("models", "model_executor", "managers", "dp", "entrypoints")),
-    "runtime/models": tuple(RT + r for r in ("mem_cache", "model_executor", "managers", "dp", "entrypoints")),
-    "runtime/model_executor": tuple(RT + r for r in ("managers", "dp", "entrypoints")),
-    "runtime/managers": (RT + "entrypoints",),
+    "runtime/sampling": tuple(RT + r for r in ("mem_cache", "models", "model_executor", "scheduler", "front",
+                                               "dp", "entrypoints")),
+    "runtime/dp": tuple(RT + r for r in ("sampling", "mem_cache", "models", "model_executor", "scheduler",
+                                         "front", "entrypoints")),
+    "runtime/mem_cache": tuple(RT + r for r in ("models", "model_executor", "scheduler", "front", "dp",
+                                                "entrypoints")),
+    "runtime/models": tuple(RT + r for r in ("mem_cache", "model_executor", "scheduler", "front", "dp",
+                                             "entrypoints")),
+    "runtime/model_executor": tuple(RT + r for r in ("scheduler", "front", "dp", "entrypoints")),
+    # the scheduler and the request front meet only through the messages of runtime/io_struct.py
+    "runtime/scheduler": tuple(RT + r for r in ("front", "dp", "entrypoints")),
+    "runtime/front": tuple(RT + r for r in ("scheduler", "model_executor", "models", "mem_cache",
+                                            "entrypoints")),
 }
 
 

@@ -98,7 +98,7 @@ def tied_toy_model():
     return TiedToy()
 
 
-# every family the model tests build (tests/runtime/test_model_families.py against transformers, tests/e2e/
+# every family the model tests build (tests/runtime/models/test_model_families.py against transformers, tests/e2e/
 # test_tensor_parallel_families.py tp=2 against tp=1): HF architecture, config overrides
 WINDOW = 5  # shorter than every prompt the tests run
 FAMILIES = {
@@ -138,7 +138,8 @@ FAMILIES = {
                                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
 }
 
-# DeepSeek-V2 / V3 (tests/runtime/test_deepseek.py against transformers, tests/e2e/test_tensor_parallel_families.py
+# DeepSeek-V2 / V3 (tests/runtime/models/test_deepseek.py against transformers,
+# tests/e2e/test_tensor_parallel_families.py
 # tp=2 against tp=1): multi-head latent attention over the 6 heads, a dense first layer then MoE layers with a
 # shared expert, more experts than top-k over 3 groups, q_lora_rank on V3 and none on V2, yarn on V2
 MLA = dict(num_key_value_heads=6, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=24,

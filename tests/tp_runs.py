@@ -1,5 +1,6 @@
 """The requests tp=N and tp=1 runs are compared on (tests/e2e/test_tensor_parallel_families.py,
-tests/runtime/test_gguf_tensor_parallel.py): two prompts, then a third whose prefix comes from the radix cache."""
+tests/runtime/models/test_gguf_tensor_parallel.py): two prompts, then a third whose prefix comes from the radix
+cache."""
 from __future__ import annotations
 
 SHARED = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]

@@ -4,7 +4,9 @@ One room per concern (each subpackage's docstring says what it owns and may impo
 ``server_args`` (the one config), ``sampling/`` (params and the sampler), ``mem_cache/``
 (KV pools and per-request KV bookkeeping), ``models/`` (model code, loaders, weight
 packing, quantization), ``model_executor/`` (model runner, forward batch, tensor
-parallelism), ``managers/`` (io structs, ipc, tokenizer front, scheduler, detokenizer),
-``dp/`` (data-parallel routing) and ``entrypoints/`` (Engine, HTTP server, OpenAI API).
+parallelism), ``scheduler/`` (batching, grammar steps, stop, outputs), ``front/`` (the request
+front of the Engine and the server, the detokenizer), ``dp/`` (data-parallel routing) and
+``entrypoints/`` (Engine, HTTP server, OpenAI API); ``io_struct`` and ``ipc`` are the wire between
+the front and the scheduler.
 The import rules between them are checked by tests/test_architecture.py.
 """

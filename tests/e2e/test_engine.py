@@ -148,8 +148,8 @@ def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
     # then stall mid-prompt. B must wait as the chunked request (it was once dropped from every
     # queue) and finish once A's KV frees up, with the same tokens as on a big pool.
     from radixlang.runtime.server_args import ServerArgs
-    from radixlang.runtime.managers.io_struct import TokenizedGenerateReq
-    from radixlang.runtime.managers.scheduler import Scheduler
+    from radixlang.runtime.io_struct import TokenizedGenerateReq
+    from radixlang.runtime.scheduler.scheduler import Scheduler
 
     prompt_a, prompt_b = list(range(10, 70)), list(range(100, 350))
     params_a = {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True}

@@ -41,7 +41,7 @@ def backend_engine(request, tiny_engine, monkeypatch):
     """The shared tiny engine with its grammars on ``backend`` and a short compile timeout (what
     ``Engine(grammar_backend=..., grammar_compile_timeout=...)`` builds; a new engine per backend
     would cost seconds of start-up each)."""
-    from radixlang.runtime.managers.grammar_wait import GrammarWaits
+    from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 
     scheduler = tiny_engine.scheduler
     waits = GrammarWaits(tokenizer=scheduler.tokenizer, vocab_size=scheduler.runner.vocab_size,

@@ -115,7 +115,7 @@ def test_policies_give_same_greedy_outputs(tiny_model_dir, policy):
 def test_dfs_weight_orders_heaviest_subtree_first():
     import torch
 
-    from radixlang.runtime.managers.schedule_batch import Req
+    from radixlang.runtime.scheduler.batch import Req
     from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
     from radixlang.runtime.sampling.sampling_params import SamplingParams
     from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from radixlang import Engine
 from radixlang.radix_cache import SWARadixCache
-from radixlang.runtime.managers.io_struct import TokenizedGenerateReq
-from radixlang.runtime.managers.scheduler import Scheduler
+from radixlang.runtime.io_struct import TokenizedGenerateReq
+from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.mem_cache.memory_pool import TokenToKVPool
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.mem_cache.swa_req_cache import SWATreeReqCache

@@ -6,7 +6,7 @@ tensors), the MoE families Mixtral, Qwen2-MoE (shared expert, a dense layer), Qw
 (sinks), and DeepSeek-V2 / V3 (tiny_model.MLA_FAMILIES: multi-head latent attention split by heads, the
 latent replicated; a dense first layer, shared and routed experts split by intermediate features). Same
 greedy tokens, logprobs within fp32 tolerance, a cached prefix reused the same way; tp=1 itself is checked
-against transformers in tests/runtime/test_model_families.py and tests/runtime/test_deepseek.py."""
+against transformers in tests/runtime/models/test_model_families.py and tests/runtime/models/test_deepseek.py."""
 from __future__ import annotations
 
 import pytest

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from radixlang.runtime.server_args import ServerArgs
-from radixlang.runtime.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
+from radixlang.runtime.io_struct import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 

@@ -7,12 +7,12 @@ import stat
 import pytest
 import zmq
 
-from radixlang.runtime.managers.io_struct import (
+from radixlang.runtime.io_struct import (
     AbortReq, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateReq,
     TokenizedGenerateReq, decode, encode,
 )
-from radixlang.runtime.managers.ipc import IpcNames, make_private_dir, pull_socket, push_socket, remove_private_dir
-from radixlang.runtime.managers.scheduler_process import SchedulerLoop
+from radixlang.runtime.ipc import IpcNames, make_private_dir, pull_socket, push_socket, remove_private_dir
+from radixlang.runtime.scheduler.process import SchedulerLoop
 
 
 def test_private_dir_is_0700_and_removed():

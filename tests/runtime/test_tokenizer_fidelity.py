@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from radixlang.runtime.entrypoints.engine_front import EngineFront
 from radixlang.runtime.entrypoints.http_server import create_app
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest, chat_prompt
-from radixlang.runtime.managers.request_front import RequestFront
-from radixlang.runtime.managers.request_output import expand_requests
+from radixlang.runtime.front.request_front import RequestFront
+from radixlang.runtime.front.request_output import expand_requests
 from radixlang.runtime.models.gguf_convert import eos_token_ids
 from radixlang.runtime.models.loader import resolve_model_dir
 from radixlang.runtime.server_args import ServerArgs

@@ -30,7 +30,7 @@ Two policies (SGLang's ``--load-balance-method`` names):
   ``flush(replica)`` empties a tree when that replica's cache is flushed.
 
 The router is pure Python over token ids (no torch) and thread-safe; the one
-request front (managers/request_front.py) drives it for the in-process Engine
+request front (front/request_front.py) drives it for the in-process Engine
 and the server alike.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest
 from radixlang.runtime.entrypoints.openai.serving import PreparedChat, prepare_chat
 from radixlang.runtime.errors import RequestError
-from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.front.tokenizer_manager import RequestStream
 from radixlang.runtime.tokenizer_source import encode_chat
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A background thread drives each Scheduler replica step by step (one replica
 unless ``dp_size`` > 1, then a Router spreads requests over them); ``generate``
 may be called from many threads at once and their requests are batched together,
 and ``async_generate`` serves coroutines. The calls themselves are the request
-front's (managers/request_front.py), the same code the server's TokenizerManager
+front's (front/request_front.py), the same code the server's TokenizerManager
 runs; the Engine supplies the in-process transport to its replica threads.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ import logging
 from typing import Any
 
 from radixlang.runtime.dp.router import Router
-from radixlang.runtime.managers.io_struct import BatchStrOut, TokenizedGenerateReq
-from radixlang.runtime.managers.request_front import (
+from radixlang.runtime.io_struct import BatchStrOut, TokenizedGenerateReq
+from radixlang.runtime.front.request_front import (
     ControlOut, ControlReq, RequestFront, RequestStream, SyncStream,
 )
-from radixlang.runtime.managers.scheduler import Scheduler
-from radixlang.runtime.managers.scheduler_thread import SchedulerThread
+from radixlang.runtime.scheduler.scheduler import Scheduler
+from radixlang.runtime.entrypoints.engine_thread import SchedulerThread
 from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Engine:
     With ``dp_size=N`` it runs N scheduler replicas (each its own weights, KV pool and
     radix cache, each on its own thread) and a Router picks the replica per request.
     ``engine.scheduler`` is replica 0's scheduler; ``engine.schedulers`` has them all;
-    ``engine.front`` is the request front (managers/request_front.py) the server runs too.
+    ``engine.front`` is the request front (front/request_front.py) the server runs too.
     """
 
     def __init__(self, **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ notebook or a test serve the same routes from one process. Both are the same
 from __future__ import annotations
 
 from radixlang.runtime.entrypoints.engine import Engine
-from radixlang.runtime.managers.request_front import AsyncFront
+from radixlang.runtime.front.request_front import AsyncFront
 
 
 class EngineFront(AsyncFront):

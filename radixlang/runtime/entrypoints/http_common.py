@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlang.runtime.errors import RequestError
-from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.front.tokenizer_manager import RequestStream
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.tokenizer_source import encode_prompt, resolve_chat_template

@@ -28,7 +28,7 @@ from radixlang.runtime.entrypoints.openai.responses_store import ResponseStore
 from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
 from radixlang.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlang.runtime.errors import RequestError
-from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.front.tokenizer_manager import RequestStream
 
 logger = logging.getLogger(__name__)
 

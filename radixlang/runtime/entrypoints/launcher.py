@@ -22,8 +22,8 @@ import orjson
 import uvicorn
 
 from radixlang.runtime.server_args import ServerArgs
-from radixlang.runtime.managers.io_struct import SchedulerReady, decode
-from radixlang.runtime.managers.ipc import IpcNames, make_private_dir, remove_private_dir
+from radixlang.runtime.io_struct import SchedulerReady, decode
+from radixlang.runtime.ipc import IpcNames, make_private_dir, remove_private_dir
 
 logger = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.2
@@ -33,8 +33,8 @@ class ServerProcesses:
     """The scheduler replicas and the detokenizer, started with the spawn method."""
 
     def __init__(self, args: ServerArgs, ipc: IpcNames) -> None:
-        from radixlang.runtime.managers.detokenizer_process import run_detokenizer_process
-        from radixlang.runtime.managers.scheduler_process import run_scheduler_process
+        from radixlang.runtime.front.detokenizer_process import run_detokenizer_process
+        from radixlang.runtime.scheduler.process import run_scheduler_process
 
         ctx = multiprocessing.get_context("spawn")
         self.schedulers: list[multiprocessing.Process] = []
@@ -112,7 +112,7 @@ def run_server(args: ServerArgs) -> int:
         tokenizer_path = first.tokenizer_path
         procs.setup_detokenizer(tokenizer_path)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        from radixlang.runtime.managers.tokenizer_manager import TokenizerManager, process_pids
+        from radixlang.runtime.front.tokenizer_manager import TokenizerManager, process_pids
 
         # the router's trees are sized from each replica's report (its KV pool), as in the Engine
         manager = TokenizerManager(readies, tokenizer=tokenizer, ipc=ipc,

@@ -1,6 +1,6 @@
 """Runner: what the scheduler needs of a model runner.
 
-``ModelRunner`` is the real one; a test passes a scripted one (tests/runtime/scripted_runner.py)
+``ModelRunner`` is the real one; a test passes a scripted one (tests/runtime/scheduler/scripted_runner.py)
 to ``Scheduler(args, runner=...)``. The scheduler owns both pools' bookkeeping (which slots
 a request holds); the runner only reads and writes the slots a step names.
 """

@@ -24,7 +24,7 @@ from radixlang.runtime.entrypoints.openai.tool_constraint import (
     answer_constraint, answers_in_format, auto_call_constraint, holds_auto_calls,
 )
 from radixlang.runtime.errors import RequestError
-from radixlang.runtime.managers.tokenizer_manager import RequestStream
+from radixlang.runtime.front.tokenizer_manager import RequestStream
 from radixlang.runtime.tokenizer_source import BUILTIN_TEMPLATES, encode_chat
 
 _MAX_CHOICES = 1024  # prompts x n per HTTP call: bounds the work one request can queue

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlang.runtime.entrypoints.openai.tool_parsers.json_prefix import is_json_object, object_prefix_ok
-from radixlang.runtime.managers.detokenizer import stop_holdback
+from radixlang.runtime.front.detokenizer import stop_holdback
 
 
 @dataclass

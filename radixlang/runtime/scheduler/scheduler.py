@@ -1,0 +1,499 @@
+"""The scheduler loop: admit, prefill, decode, finish, retract.
+
+One class serves the in-process Engine and the server's scheduler process.
+Each ``step()`` is: pick a batch (prefill if any waiting request fits, else
+decode every running request), run it, post-process the sampled tokens, and
+return the outputs for the detokenizer.
+
+Its parts live beside it: ``kv_slots`` (a request's KV slots: admit, reserve, release),
+``grammar_wait`` (grammars compiling off the loop), ``grammar_step`` (masks, jump-forward),
+``stop`` (finish conditions), ``scheduler_output`` (what a step sends), ``scheduler_stats``
+(counters, latency, the leak check). The runner is anything that satisfies
+``model_executor.runner.Runner``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from radixlang.constrained import GrammarCompiler
+from radixlang.kernels.attention.base import ForwardMode
+from radixlang.runtime.errors import RequestError
+from radixlang.runtime.scheduler.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
+from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
+from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
+from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq
+from radixlang.runtime.scheduler.kv_slots import KVSlots
+from radixlang.runtime.scheduler.request_checks import check_length_left
+from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
+from radixlang.runtime.scheduler.policy import order_waiting
+from radixlang.runtime.scheduler.speculative import make_drafter
+from radixlang.runtime.scheduler.output import OutputCollector
+from radixlang.runtime.scheduler.stats import SchedulerStats, find_memory_leak
+from radixlang.runtime.scheduler.stop import check_finished
+from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixlang.runtime.mem_cache.req_cache import NoReqCache, ReqCache
+from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
+from radixlang.runtime.mem_cache.swa_req_cache import SWANoReqCache, SWATreeReqCache
+from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
+from radixlang.runtime.model_executor.model_runner import ModelRunner
+from radixlang.runtime.model_executor.runner import Runner
+from radixlang.runtime.models.layers.rotary import rope_length_key
+from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+from radixlang.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """One replica's scheduling loop over a model runner.
+
+    ``runner`` is built from the args when not given (a ``ModelRunner``); tests pass a scripted
+    one: anything that satisfies ``model_executor.runner.Runner``.
+    """
+
+    def __init__(self, server_args: ServerArgs, *, runner: Runner | None = None) -> None:
+        self.args = server_args.resolve()
+        if self.args.device == "cpu" and self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+        torch.manual_seed(self.args.random_seed)
+        self.runner: Runner = runner if runner is not None else ModelRunner(self.args)
+        self.tokenizer = self.runner.tokenizer
+        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.kv_pool = self.runner.kv_pool
+        self.cache = _make_req_cache(self.args, self.req_to_token_pool, self.kv_pool)
+        self.kv = KVSlots(self.req_to_token_pool, self.kv_pool, self.cache)
+        self.eos_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
+        self.generator = torch.Generator().manual_seed(self.args.random_seed)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.outputs = OutputCollector()
+        self.grammars = GrammarWaits(tokenizer=self.tokenizer, vocab_size=self.runner.vocab_size,
+                                     eos_ids=self.eos_ids, timeout_s=self.args.grammar_compile_timeout,
+                                     whitespace_pattern=self.args.constrained_json_whitespace_pattern,
+                                     backend=self.args.grammar_backend)
+        self.metrics = SchedulerStats()
+        self.stats = self.metrics.counts
+        self.jump_forward = not self.args.disable_jump_forward
+        self.drafter = make_drafter(self.args, vocab_size=self.runner.vocab_size, context_len=self.runner.context_len)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The grammar compiler of this replica (built on first use)."""
+        return self.grammars.compiler
+
+    # ---- requests in ---------------------------------------------------------------------
+    def add_request(self, tr: TokenizedGenerateReq) -> None:
+        try:
+            params = SamplingParams.from_dict(tr.sampling_params)
+            self._validate(tr, params)
+            future = self.grammars.submit(params)
+        except ValueError as e:  # a RequestError, or a grammar the compiler refused
+            self.outputs.add_error(tr.rid, str(e), prompt_tokens=len(tr.input_ids), param=getattr(e, "param", None))
+            return
+        req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params,
+                  return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
+                  top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
+                  eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
+                  arrival_time=time.monotonic(),
+                  cache_namespace=rope_length_key(self.runner.hf_config, len(tr.input_ids)))
+        self.stats["num_requests"] += 1
+        if params.max_new_tokens == 0 and not tr.return_logprob and self.args.disable_radix_cache:
+            # a prefill-only request (a client warming a prefix) returns nothing, and without a cache it
+            # leaves nothing behind: computing it would only cost a prefill
+            req.finished_reason = FinishReason.max_tokens(0)
+            self._finish(req)
+            return
+        self.waiting.append(req)
+
+    def _validate(self, tr: TokenizedGenerateReq, params: SamplingParams) -> None:
+        vocab_size, context_len = self.runner.vocab_size, self.runner.context_len
+        if not tr.input_ids:
+            raise RequestError("the prompt is empty: give text or input_ids with at least one token", "input_ids")
+        bad = [t for t in tr.input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"input_ids must be in [0, {vocab_size}), got {bad[0]}", "input_ids")
+        _validate_request_extras(tr, params, vocab_size)
+        if len(tr.input_ids) >= context_len:
+            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
+                               f"{context_len}", "input_ids")
+        check_length_left(tr, params, context_len)
+        if len(tr.input_ids) + 1 > self.kv_pool.size:
+            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}",
+                               "input_ids")
+        # a lone request past the pool could not be retracted: cap it, as for context
+        params.max_new_tokens = min(params.max_new_tokens, self.kv_pool.size - len(tr.input_ids))
+
+    def abort_request(self, rid: str) -> None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finished_reason = FinishReason.abort("aborted by request")
+                self.outputs.add(req, final=True)
+                return
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid and not req.finished:  # freed by the next step (_reap_aborted)
+                req.finished_reason = FinishReason.abort("aborted by request")
+
+    # ---- the loop ------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked_req is None
+
+    def step(self) -> BatchTokenIDOut | None:
+        self._reap_aborted()
+        compiling = self.grammars.poll(self.waiting, self.outputs)
+        batch = self._get_prefill_batch() or self._get_decode_batch()
+        if batch is not None:
+            self._run_batch(batch)
+            self.stats["forward_steps"] += 1
+        elif compiling:  # only grammars to wait for: don't spin
+            self.grammars.wait(compiling)
+        return self.outputs.flush(self.tokenizer)
+
+    def _reap_aborted(self) -> None:
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self._finish(req)
+        if self.chunked_req is not None and self.chunked_req.finished:  # aborted mid-prefill
+            self._finish(self.chunked_req)
+            self.chunked_req = None
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def _get_prefill_batch(self) -> ScheduleBatch | None:
+        """Admit waiting requests (the chunked prefill in progress first) under the token budget."""
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = self.args.max_prefill_tokens
+        if self.args.chunked_prefill_size > 0:
+            budget = min(budget, self.args.chunked_prefill_size)
+        reqs: list[Req] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        sample_mask: list[bool] = []
+        candidates = ([self.chunked_req] if self.chunked_req else []) + order_waiting(
+            self.waiting, self.args.schedule_policy, self.cache)
+        self.chunked_req = None
+        for req in candidates:
+            if self.grammars.is_compiling(req):
+                continue
+            if budget <= 0 or len(self.running) + len(reqs) >= self.runner.max_running:
+                break
+            fresh = req.req_pool_idx is None
+            if fresh and reqs and self.cache.should_defer(req, reqs):
+                continue  # its shared prefix is being computed in this batch: reuse it next step
+            if fresh and not self.kv.admit(req):
+                break
+            remaining = req.seq_len - req.kv_len
+            ext = min(remaining, budget)
+            if not self.kv.reserve_extend(req, ext, headroom=len(self.running)):
+                if fresh:
+                    self.kv.undo_admit(req)
+                else:  # a chunked prefill in progress keeps its slot and goes on next step
+                    self.chunked_req = req
+                break
+            if req in self.waiting:
+                self.waiting.remove(req)
+            reqs.append(req)
+            prefix_lens.append(req.kv_len - ext)
+            extend_lens.append(ext)
+            last_chunk = ext == remaining
+            sample_mask.append(last_chunk)
+            budget -= ext
+            if not last_chunk:
+                self.chunked_req = req
+                break
+        if not reqs:
+            return None
+        logger.info("prefill batch: %d seqs, %d new tokens, %d cached tokens, %d running, %d queued, "
+                    "kv free %d / %d", len(reqs), sum(extend_lens), sum(prefix_lens), len(self.running),
+                    len(self.waiting), self.kv_pool.available_size(), self.kv_pool.size)
+        locs = [self.req_to_token_pool.req_to_token[r.req_pool_idx, p:p + e].to(torch.int64)
+                for r, p, e in zip(reqs, prefix_lens, extend_lens)]
+        return ScheduleBatch(mode=ForwardMode.EXTEND, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
+                             out_cache_loc=torch.cat(locs), sample_mask=sample_mask)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _get_decode_batch(self) -> ScheduleBatch | None:
+        """Every running request appends its pending tokens: one (decode), or more after a jump-forward.
+
+        When any request has more than one pending token the batch runs as EXTEND (a mixed batch);
+        the others ride along as one-token extends.
+        """
+        if not self.running:
+            return None
+        self._retract_until_decode_fits()
+        reqs = list(self.running)
+        prefix_lens = [r.kv_len for r in reqs]
+        extend_lens = [r.seq_len - r.kv_len for r in reqs]
+        drafts = None
+        if self.drafter is not None:  # speculative: drafts ride after the pending tokens, in the room left
+            drafts = self.drafter.drafts(reqs, self.kv.room() - sum(extend_lens))
+            if any(drafts):
+                extend_lens = [e + len(d) for e, d in zip(extend_lens, drafts)]
+            else:
+                drafts = None
+        loc = self.kv.reserve_pending(reqs, drafts)
+        mode = ForwardMode.DECODE if len(loc) == len(reqs) else ForwardMode.EXTEND
+        return ScheduleBatch(mode=mode, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
+                             out_cache_loc=loc, sample_mask=[True] * len(reqs), from_running=True, drafts=drafts)
+
+    def _retract_until_decode_fits(self) -> None:
+        while self.kv.room() < sum(r.seq_len - r.kv_len for r in self.running):
+            if self.chunked_req is not None:  # a prompt stalled mid-prefill must not starve the decodes
+                self._retract_chunked()
+            else:
+                self._retract_one()
+
+    def _retract_chunked(self) -> None:
+        """Send the half-prefilled request back to the queue; its computed chunks stay in the cache."""
+        req, self.chunked_req = self.chunked_req, None
+        if req is None:
+            raise RuntimeError("no chunked prefill to retract")
+        self._retract(req)
+        logger.info("KV pool exhausted: retracted request %s mid-prefill (%d tokens) back to the queue",
+                    req.rid, req.prompt_len)
+
+    def _retract_one(self) -> None:
+        """Out of KV: send the newest running request back to the queue, keeping its tokens."""
+        if len(self.running) <= 1:  # _validate caps a request to the pool, so a lone one always fits
+            raise RuntimeError(f"out of KV with {len(self.running)} running request(s): a single request "
+                               f"cannot fit the KV pool ({self.kv_pool.size} slots)")
+        req = self.running.pop()
+        self._retract(req)
+        logger.info("KV pool exhausted: retracted request %s (%d tokens) back to the queue", req.rid, req.seq_len)
+
+    def _retract(self, req: Req) -> None:
+        """Cache what the request computed, free the rest, and put it at the front of the queue."""
+        self.kv.release(req, keep=True)
+        if self.drafter is not None:
+            self.drafter.release(req)
+        req.is_retracted = True
+        self.waiting.insert(0, req)
+        self.stats["num_retractions"] += 1
+
+    # ---- run and post-process --------------------------------------------------------------
+    def _run_batch(self, batch: ScheduleBatch) -> None:
+        rows, logprob_spans = logit_rows(batch)
+        logits = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
+        sample_rows = [i for i, s in enumerate(batch.sample_mask) if s]
+        record_input_logprobs(batch, logits, logprob_spans)
+        record_jump_logprobs(batch, logits, logprob_spans)
+        if batch.mode is ForwardMode.EXTEND and not batch.from_running:
+            self._after_extend(batch)
+        if batch.drafts is not None:
+            self._verify_drafts(batch, logits, [span[1] for span in logprob_spans])
+        elif sample_rows:
+            self._sample_and_append([batch.reqs[i] for i in sample_rows],
+                                    logits[[logprob_spans[i][1] for i in sample_rows]])
+        self._update_running(batch)
+        self.kv.trim_windows(self.running)
+
+    def _after_extend(self, batch: ScheduleBatch) -> None:
+        # every prefilled prompt (and each chunk of a long one) becomes shareable before it finishes
+        for req in batch.reqs:
+            self.cache.cache_unfinished(req)
+
+    def _update_running(self, batch: ScheduleBatch) -> None:
+        """Finished requests leave; a prefilled request that goes on joins the running list."""
+        for req, sampled in zip(batch.reqs, batch.sample_mask):
+            if not sampled:
+                continue  # a prefill chunk: the request continues next step
+            if req.finished:
+                if req in self.running:
+                    self.running.remove(req)
+                self._finish(req)
+            elif not batch.from_running:
+                self.running.append(req)
+                req.is_retracted = False
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """logits [len(reqs), vocab] float32: the next-token logits of each request."""
+        # unmasked rows for a token a jump-forward respells (see _append_token)
+        unmasked = logits.clone() if any(r.return_logprob and r.grammar is not None for r in reqs) else None
+        apply_grammar_masks(reqs, logits)
+        raw = logits.clone() if any(r.return_logprob for r in reqs) else logits
+        if all(r.sampling_params.max_new_tokens == 0 for r in reqs):
+            next_ids = None
+        else:
+            next_ids = sample(logits, self._sampling_info(reqs), self.generator)
+            next_ids_cpu = next_ids.tolist()  # the one device-to-host read of a step's sampled tokens
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            if req.finished:
+                continue
+            if next_ids is None or req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FinishReason.max_tokens(0)
+                continue
+            self.metrics.observe_token(req, now)
+            self._append_token(req, next_ids_cpu[i], raw=raw[i:i + 1] if req.return_logprob else None,
+                               unmasked=unmasked[i:i + 1] if unmasked is not None else None)
+            if req.stream and not req.finished:
+                self.outputs.add(req, final=False)
+
+    def _verify_drafts(self, batch: ScheduleBatch, logits: torch.Tensor, last_rows: list[int]) -> None:
+        """Speculative decoding: each request appends its drafts while the target model agrees, then one
+        token of its own; the rejected drafts' KV slots are freed.
+
+        Row j of a request (``last_rows[i] - len(drafts) + j``) holds the next-token logits after its
+        pending token and j drafts: the token chosen from it is the one plain decoding would append
+        there, so draft j is kept iff it equals that token (see ``verify_draft`` for sampled requests).
+        """
+        drafts = batch.drafts or []
+        firsts = [last - len(d) for last, d in zip(last_rows, drafts)]
+        plain = [i for i, r in enumerate(batch.reqs) if _plain_greedy(r)]
+        picked: dict[int, list[int]] = {}
+        if plain:  # greedy requests without a grammar or penalties: one argmax over all their rows
+            rows = [firsts[i] + j for i in plain for j in range(len(drafts[i]) + 1)]
+            top = torch.argmax(logits[rows], dim=-1).tolist()  # the one device-to-host read for them
+            for i in plain:
+                picked[i], top = top[:len(drafts[i]) + 1], top[len(drafts[i]) + 1:]
+        now = time.monotonic()
+        for i, (req, d) in enumerate(zip(batch.reqs, drafts)):
+            accepted = 0
+            for j in range(len(d) + 1 if not req.finished else 0):
+                draft = d[j] if j < len(d) else None
+                raw = unmasked = None
+                if i in picked:
+                    tok = picked[i][j]
+                else:
+                    row = logits[firsts[i] + j:firsts[i] + j + 1].clone()
+                    unmasked = row.clone() if req.return_logprob and req.grammar is not None else None
+                    apply_grammar_masks([req], row)
+                    raw = row.clone() if req.return_logprob else None
+                    tok = verify_draft(row, self._sampling_info([req]), draft, self.generator)
+                self.metrics.observe_token(req, now)
+                before = len(req.output_ids)
+                self._append_token(req, tok, raw=raw, unmasked=unmasked)
+                if tok != draft or req.finished or len(req.output_ids) != before + 1:  # a jump-forward
+                    break
+                accepted += 1
+            self.kv.settle_drafts(req, len(d), accepted)
+            if self.drafter is not None:
+                self.drafter.settle(req, len(d), accepted)
+            req.spec_draft_tokens += len(d)
+            req.spec_accepted_tokens += accepted
+            self.stats["spec_draft_tokens"] += len(d)
+            self.stats["spec_accepted_tokens"] += accepted
+            if req.stream and not req.finished:
+                self.outputs.add(req, final=False)
+
+    @staticmethod
+    def _sampling_info(reqs: list[Req]) -> SamplingInfo:
+        return SamplingInfo(
+            params=[r.sampling_params for r in reqs], output_ids=[r.output_ids for r in reqs],
+            # a grammar in an accepting state decides the end itself: banning EOS could leave no token
+            min_tokens_blocked=[sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
+                                if len(r.output_ids) < r.sampling_params.min_new_tokens
+                                and not (r.grammar is not None and r.grammar.is_accepting()) else []
+                                for r in reqs])
+
+    @staticmethod
+    def _record_output_logprob(req: Req, raw: torch.Tensor, next_id: torch.Tensor) -> None:
+        vals, top = compute_logprobs(raw, next_id, req.top_logprobs_num)
+        req.output_token_logprobs.append([vals[0], int(next_id[0])])
+        if top is not None:
+            req.output_top_logprobs.append([list(p) for p in zip(top.values[0], top.ids[0])])
+
+    def _append_token(self, req: Req, tok: int, *, raw: torch.Tensor | None = None,
+                      unmasked: torch.Tensor | None = None) -> None:
+        """Append the sampled token, advance the grammar (and jump forward), and decide if it ends the request.
+
+        ``raw`` [1, vocab]: the masked logits it was sampled from, for a request that wants logprobs;
+        ``unmasked``: the same before the grammar mask. A jump-forward may respell the token with the
+        forced text: the token that stays was forced, not sampled, and gets its unmasked logprob, as the
+        jumped tokens do. Those come from the next step's extend, which computes their KV, so asking for
+        logprobs never changes the tokens; a finish the jump reached waits for that step.
+        """
+        n = len(req.output_ids)
+        before = req.grammar.copy() if req.grammar is not None and self.jump_forward else None
+        req.output_ids.append(tok)
+        self.stats["generated_tokens"] += 1
+        req.finished_reason = advance_grammar(req, tok) or check_finished(req, self.tokenizer)
+        if before is not None and not req.finished:
+            req.finished_reason, added = jump_forward(req, before, self.tokenizer)
+            self.stats["jump_forward_tokens"] += added
+            self.stats["generated_tokens"] += added
+        if raw is not None:
+            kept = req.output_ids[n]
+            self._record_output_logprob(req, unmasked if kept != tok and unmasked is not None else raw,
+                                        torch.tensor([kept]))
+        if req.logprob_owed and req.finished_reason is not None and not req.finished_reason.is_abort:
+            req.finish_after_logprobs, req.finished_reason = req.finished_reason, None
+
+    def _finish(self, req: Req) -> None:
+        self.kv.release(req, keep=req.finished_reason is not None and not req.finished_reason.is_abort)
+        if self.drafter is not None:
+            self.drafter.release(req)
+        self.metrics.observe_finish(req)
+        self.outputs.add(req, final=True)
+
+    # ---- maintenance -----------------------------------------------------------------------
+    def flush_cache(self) -> FlushCacheOut:
+        if not self.is_idle():
+            return FlushCacheOut(success=False, message=f"cannot flush the cache while {len(self.running)} "
+                                                        f"requests run and {len(self.waiting)} wait")
+        self.cache.reset()
+        self.check_memory_leak()
+        return FlushCacheOut(success=True, message="cache flushed")
+
+    def check_memory_leak(self) -> None:
+        """When idle: raise RuntimeError unless every KV slot is free or cached and no request slot is held."""
+        if not self.is_idle():
+            return
+        leak = find_memory_leak(self.kv_pool, self.req_to_token_pool, self.cache)
+        if leak is None and self.drafter is not None:
+            leak = self.drafter.find_leak()
+        if leak is not None:
+            logger.error(leak)
+            raise RuntimeError(leak)
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return self.metrics.internal_state(kv_pool=self.kv_pool, cache=self.cache, num_running=len(self.running),
+                                           num_waiting=len(self.waiting), context_len=self.runner.context_len,
+                                           vocab_size=self.runner.vocab_size)
+
+
+def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ReqCache:
+    if isinstance(kv_pool, SWATokenToKVPool):  # window layers in their own slot space: trim and tombstone
+        if args.disable_radix_cache:
+            return SWANoReqCache(req_pool, kv_pool)
+        return SWATreeReqCache(req_pool, kv_pool, page_size=args.page_size)
+    if args.disable_radix_cache:
+        return NoReqCache(req_pool, kv_pool)
+    return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)
+
+
+def _plain_greedy(req: Req) -> bool:
+    """Whether the request's next token is the argmax of its raw logits (no grammar, bias or penalty)."""
+    p = req.sampling_params
+    return (p.is_greedy and req.grammar is None and not req.return_logprob and not p.logit_bias_ids
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and len(req.output_ids) >= p.min_new_tokens)
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _validate_request_extras(tr: TokenizedGenerateReq, params: SamplingParams, vocab_size: int) -> None:
+    """Checks that need the prompt length or the vocabulary: logprob_start_len, logit_bias ids."""
+    if tr.return_logprob and tr.logprob_start_len >= len(tr.input_ids):
+        raise RequestError(f"logprob_start_len must be < the prompt's {len(tr.input_ids)} tokens, got "
+                           f"{tr.logprob_start_len}", "logprob_start_len")
+    bad = [t for t, _ in params.logit_bias_ids if t >= vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}", "logit_bias")
+
