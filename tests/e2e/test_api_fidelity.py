@@ -170,3 +170,44 @@ def test_reasoning_and_tool_call_from_a_constrained_reply_whole_and_streamed(ser
     assert deltas[-1]["finish_reason"] == "tool_calls"
     plain = server.post("/v1/chat/completions", json={**body, "separate_reasoning": False, "tools": None})
     assert plain.json()["choices"][0]["message"]["content"].startswith("<think>")
+
+
+# what differs between two runs of one request by nature: wall-clock times
+_PER_RUN = {"e2e_latency"}
+
+
+@pytest.mark.parametrize("start", [None, -1, 0, 1, 3])
+def test_engine_and_http_give_the_same_meta_info(server, tiny_engine, start):
+    """One request means one thing on both transports: the same prompt ids, the same logprob positions
+    (a start with a left context is scored on the Engine too), the same counts."""
+    opts = {"return_logprob": True, "top_logprobs_num": 2}
+    if start is not None:
+        opts["logprob_start_len"] = start
+    params = {"max_new_tokens": 4, "temperature": 0}
+    for prompt in ({"text": "Hello there friend, how are"}, {"input_ids": [5, 6, 7, 8, 9, 10]}):
+        rid = f"same-{start}-{len(prompt)}-{next(iter(prompt))}"
+        assert tiny_engine.flush_cache()
+        ours = tiny_engine.generate(prompt=prompt.get("text"), input_ids=prompt.get("input_ids"),
+                                    sampling_params=params, rid=rid, **opts)
+        assert server.post("/flush_cache").status_code == 200
+        http = _gen(server, **prompt, sampling_params=params, rid=rid, **opts)
+        assert ours["output_ids"] == http["output_ids"] and ours["text"] == http["text"]
+        a = {k: v for k, v in ours["meta_info"].items() if k not in _PER_RUN}
+        b = {k: v for k, v in http["meta_info"].items() if k not in _PER_RUN}
+        assert a.keys() == b.keys()
+        for key in a:
+            assert _close(a[key], b[key]), (key, a[key], b[key])
+        rows = a["input_token_logprobs"]
+        scored_from = 1 if start in (None, -1, 0) else 0
+        assert all(e[0] is not None for e in rows[scored_from:]) and (start not in (None, -1, 0) or rows[0][0] is None)
+
+
+def _close(a, b) -> bool:
+    """Equal, floats within 1e-5 (the two runs batch alike; the server's JSON round trip keeps floats)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= 1e-5
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return a == b

@@ -74,8 +74,9 @@ def test_alone_after_a_tombstoned_prefix_and_batched_match_transformers(family, 
         # the prompt's tokens keep window KV in the tree; the generated ones before the last window lost
         # theirs: a prompt running into them reuses only the prompt, recomputes the rest (reviving it)
         longer = PROMPT + ref[:3 * W] + [5, 6, 7, 8]
+        # logprobs from the first token after the prompt: the logits of the prompt's last token are needed
         again = engine.generate(input_ids=longer, sampling_params=GREEDY, return_logprob=True,
-                                logprob_start_len=len(PROMPT))
+                                logprob_start_len=len(PROMPT) + 1)
         assert again["meta_info"]["cached_tokens"] == len(PROMPT), name
         tail = _input_logprobs(again)
         assert (tail - _hf_logprobs(hf, longer)[-len(tail):]).abs().max().item() < 1e-4, name

@@ -65,7 +65,7 @@ class EngineBackend(Backend):
         rows = []
         for out in outs:
             raise_if_aborted(out["meta_info"], "engine select")
-            scored = out["meta_info"]["input_token_logprobs"][1:]
+            scored = out["meta_info"]["input_token_logprobs"]  # from the first choice token, each scored
             rows.append([(lp, tid, self.tokenizer.decode([tid])) for lp, tid, _ in scored])
         uncond = None
         if choices_method.requires_unconditional_logprobs:
@@ -76,14 +76,14 @@ class EngineBackend(Backend):
         return decision
 
     def _batch(self, full: list[list[int]], starts: list[int]) -> list[dict[str, Any]]:
-        # logprob_start_len = first choice token - 1: that position reports None, the rest are scored;
-        # one generate call per distinct start (the engine takes one logprob_start_len per call)
+        # logprob_start_len = the first choice token (>= 1, so it is scored too); one generate call per
+        # distinct start (the engine takes one logprob_start_len per call)
         outs: list[dict[str, Any] | None] = [None] * len(full)
         for start in sorted(set(starts)):
             idx = [i for i, s in enumerate(starts) if s == start]
             res = self.engine.generate(input_ids=[full[i] for i in idx],
                                        sampling_params={"max_new_tokens": 0, "temperature": 0.0},
-                                       return_logprob=True, logprob_start_len=start - 1)
+                                       return_logprob=True, logprob_start_len=start)
             for i, r in zip(idx, res):
                 outs[i] = r
         return outs  # type: ignore[return-value]

@@ -3,7 +3,7 @@ error responses, and turning a request the scheduler refused into a ``RequestErr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 import pydantic
@@ -15,7 +15,7 @@ from radixlang.runtime.errors import RequestError
 from radixlang.runtime.front.tokenizer_manager import RequestStream
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
-from radixlang.runtime.tokenizer_source import encode_prompt, resolve_chat_template
+from radixlang.runtime.tokenizer_source import resolve_chat_template
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -57,6 +57,14 @@ class GenerateRequest(pydantic.BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+    # what SGLang's gateway (SMG) writes into every /generate it forwards: the model it routed by (this server
+    # serves one), logging hints, and options at their "off" value; turning one of those on is a 400
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    background: Literal[False] = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -171,31 +179,3 @@ def fill_logprob_text(tokenizer: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def scored_logprob_start(tokenizer: Any, req: GenerateRequest) -> int | None:
-    """The logprob_start_len to ask the runtime for, so that position ``logprob_start_len`` itself is scored.
-
-    The runtime (like SGLang's) reports None for the first requested position; when that position has a left
-    context (start >= 1) we ask from one earlier and drop that entry (``drop_first_input_logprob``), so every
-    reported prompt token has its logprob. SGLang's client needs this: its select averages those entries and
-    drops the first only when the prefix text ends with its token. A start at or past the prompt is a 400."""
-    start = req.logprob_start_len
-    if not req.return_logprob or start is None or start < 1:
-        return start
-    if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        lengths = [len(encode_prompt(tokenizer, t)) for t in texts]
-    else:
-        ids = req.input_ids or []
-        lengths = [len(ids)] if ids and isinstance(ids[0], int) else [len(x) for x in ids]
-    if lengths and start >= min(lengths):
-        raise RequestError(f"logprob_start_len must be < the prompt's {min(lengths)} tokens, got {start}",
-                           "logprob_start_len")
-    return start - 1
-
-
-def drop_first_input_logprob(out: dict[str, Any]) -> dict[str, Any]:
-    meta = out["meta_info"]
-    for key in ("input_token_logprobs", "input_top_logprobs"):
-        if meta.get(key):
-            meta[key] = meta[key][1:]
-    return out

@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, GenerateRequest, chat_template_of, check_outputs, drop_first_input_logprob, error_response,
-    fill_logprob_text, install_error_handlers, json_object, model_name, named_field, parse_model, scored_logprob_start,
+    Front, GenerateRequest, chat_template_of, check_outputs, error_response,
+    fill_logprob_text, install_error_handlers, json_object, model_name, named_field, parse_model,
 )
 from radixlang.runtime.entrypoints.anthropic import serve_count_tokens, serve_messages
 from radixlang.runtime.entrypoints.anthropic_protocol import anthropic_error
@@ -111,16 +111,12 @@ def create_app(engine: Front) -> FastAPI:
 
     async def _generate(request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(GenerateRequest, body)
-        start = scored_logprob_start(engine.tokenizer, req)
         kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
-              "return_logprob": req.return_logprob, "logprob_start_len": start,
+              "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
               "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
         with_text = req.return_logprob and req.return_text_in_logprobs
-        shifted = start != req.logprob_start_len
 
         def finish(o: dict[str, Any]) -> dict[str, Any]:
-            if shifted:
-                drop_first_input_logprob(o)
             return fill_logprob_text(engine.tokenizer, o) if with_text else o
 
         if req.stream:

@@ -88,11 +88,26 @@ class Req:
 
     @property
     def input_logprob_start(self) -> int:
-        """First prompt position reported in input_token_logprobs (-1 -> the last prompt token)."""
+        """First prompt position reported in input_token_logprobs: ``logprob_start_len``, or the last prompt
+        token for -1 (reported unscored)."""
         if not self.return_logprob:
             return self.prompt_len
         start = self.logprob_start_len
         return self.prompt_len - 1 if start < 0 else min(start, self.prompt_len - 1)
+
+    @property
+    def input_logit_start(self) -> int:
+        """First prompt position whose logits a step must keep for input logprobs: the one before the first
+        reported position, whose token is then scored. Position 0 has no left context and -1's last token
+        is not asked for: those start the report unscored (None), as in SGLang's HTTP API, so a request
+        means the same on the Engine and over HTTP."""
+        start = self.input_logprob_start
+        return start - 1 if self.logprob_start_len >= 1 else start
+
+    @property
+    def input_logprob_unscored_first(self) -> bool:
+        """Whether the report starts with an unscored (None) entry: from position 0, or -1's last token."""
+        return self.logprob_start_len < 1
 
 
 @dataclass(eq=False, kw_only=True)

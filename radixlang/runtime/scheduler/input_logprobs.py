@@ -33,7 +33,7 @@ def logit_rows(batch: ScheduleBatch) -> tuple[list[int], list[LogitSpan]]:
         first_pos = pre
         if batch.mode is ForwardMode.EXTEND and req.return_logprob:
             # input logprobs: logits at position p score token p + 1 (prompt positions only)
-            start = max(req.input_logprob_start, pre)
+            start = max(req.input_logit_start, pre)
             end = min(pre + ext, req.prompt_len - 1)
             first_pos = start
             rows.extend(offset + (p - pre) for p in range(start, end))
@@ -58,9 +58,8 @@ def record_input_logprobs(batch: ScheduleBatch, logits: torch.Tensor, spans: lis
     for req, span, pre, ext in zip(batch.reqs, spans, batch.prefix_lens, batch.extend_lens):
         if not req.return_logprob:
             continue
-        if not req.input_token_logprobs:
-            start = req.input_logprob_start
-            req.input_token_logprobs.append([None, req.origin_input_ids[start]])
+        if not req.input_token_logprobs and req.input_logprob_unscored_first:
+            req.input_token_logprobs.append([None, req.origin_input_ids[req.input_logprob_start]])
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
         if len(req.input_token_logprobs) >= req.prompt_len - req.input_logprob_start:

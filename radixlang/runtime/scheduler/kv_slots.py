@@ -34,7 +34,7 @@ class KVSlots:
         req.swa_freed_len, req.swa_window_released = 0, False
         limit = req.seq_len - 1  # always compute at least one token: its logits are needed
         if req.return_logprob:
-            limit = min(limit, req.input_logprob_start)
+            limit = min(limit, req.input_logit_start)
         prefix, node = self.cache.match(req, limit)
         self.cache.lock(node)
         req.prefix_indices, req.last_node = prefix, node
