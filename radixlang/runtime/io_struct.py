@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import orjson
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+
 FinishKind = Literal["stop", "length", "abort"]
 # a FinishReason as it travels (BatchTokenIDOut, BatchStrOut) and as meta_info["finish_reason"] shows it
 FinishReasonDict = dict[str, Any]
@@ -73,7 +75,7 @@ class TokenizedGenerateReq:
     """One generation request, tokenized, as the scheduler receives it (n already expanded)."""
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]  # SamplingParams.to_dict(); the scheduler rebuilds it
+    sampling_params: SamplingParams  # built and validated once, by the request front
     input_text: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no input logprobs; k: logprobs of input tokens k.. (k>=1 scored)
@@ -203,4 +205,7 @@ def decode(data: bytes) -> Any:
     cls = _MESSAGE_TYPES.get(str(obj.get("t"))) if isinstance(obj, dict) else None
     if cls is None:
         raise ValueError("unknown message type on the wire")
-    return cls(**obj["d"])
+    fields = obj["d"]
+    if cls is TokenizedGenerateReq:
+        fields["sampling_params"] = SamplingParams.from_wire(fields["sampling_params"])
+    return cls(**fields)

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang import Engine
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +71,8 @@ def test_max_new_tokens_n_and_logprobs(tiny_engine):
                                logprob_start_len=2, top_logprobs_num=2)
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == 2 + len(meta["input_token_logprobs"])
-    assert meta["input_token_logprobs"][0][0] is None
+    # position 2 has a left context: its token is scored, as over HTTP (only position 0 reports None)
+    assert all(lp is not None and lp <= 0 for lp, _, _ in meta["input_token_logprobs"])
     assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     # greedy: the chosen token is the top-1 of its row
     for (lp, tid, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
@@ -159,10 +161,10 @@ def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
         ref_a = big.generate(input_ids=prompt_a, sampling_params=params_a)["output_ids"]
         ref_b = big.generate(input_ids=prompt_b, sampling_params=params_b)["output_ids"]
     s = Scheduler(ServerArgs(**kw, max_total_tokens=400, chunked_prefill_size=32))
-    s.add_request(TokenizedGenerateReq(rid="a", input_ids=prompt_a, sampling_params=params_a))
+    s.add_request(TokenizedGenerateReq(rid="a", input_ids=prompt_a, sampling_params=SamplingParams.from_dict(params_a)))
     while not s.running or len(s.running[0].output_ids) < 100:
         s.step()
-    s.add_request(TokenizedGenerateReq(rid="b", input_ids=prompt_b, sampling_params=params_b))
+    s.add_request(TokenizedGenerateReq(rid="b", input_ids=prompt_b, sampling_params=SamplingParams.from_dict(params_b)))
     stalled, outputs = 0, {}
     for _ in range(2000):
         if s.is_idle():

@@ -77,7 +77,7 @@ def test_exact_cached_tokens_sequence(tiny_engine):
     assert seq == [0, len(ids) - 1, len(ids) - 1]  # a match is capped at input_len - 1
     lp = tiny_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
                               logprob_start_len=10)
-    assert lp["meta_info"]["cached_tokens"] == 10
+    assert lp["meta_info"]["cached_tokens"] == 9  # position 9's logits score token 10: recomputed
 
 
 def test_small_pool_evicts_and_finishes(tiny_model_dir):
@@ -126,7 +126,7 @@ def test_dfs_weight_orders_heaviest_subtree_first():
     cache.tree.insert([1, 1, 1, 1], torch.arange(1, 5))
     cache.tree.insert([2, 2, 2, 2], torch.arange(5, 9))
     def mk(rid: str, ids: list[int]) -> Req:
-        return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams())
+        return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams(), max_new_tokens=128)
     waiting = [mk("a", [1, 1, 1, 1, 5]), mk("b", [2, 2, 2, 2, 6]), mk("c", [2, 2, 2, 2, 7]), mk("d", [9, 9])]
     order = [r.rid for r in cache.dfs_weight_order(waiting)]
     assert order[0] == "d" or order[:2] == ["b", "c"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang import Engine
 from radixlang.radix_cache import SWARadixCache
 from radixlang.runtime.io_struct import TokenizedGenerateReq
@@ -98,8 +99,8 @@ def _run_one(sched: Scheduler, prompt: list[int],
     """Step the request to its end: its output ids and, after each step, (kv_len, its own tokens, own
     tokens with window KV, its tree prefix, the tree's window-locked tokens (None without a tree))."""
     sched.add_request(TokenizedGenerateReq(rid="r", input_ids=prompt,
-                                           sampling_params={"temperature": 0.0, "max_new_tokens": new,
-                                                            "ignore_eos": True}))
+                                           sampling_params=SamplingParams(temperature=0.0, max_new_tokens=new,
+                                                                          ignore_eos=True)))
     pool = sched.kv_pool
     seen, output = [], []
     while not sched.is_idle():

@@ -46,7 +46,7 @@ def test_sampling_params_normalize():
 
 
 def test_codec_roundtrip_and_refuses_unknown():
-    req = TokenizedGenerateReq(rid="a", input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+    req = TokenizedGenerateReq(rid="a", input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=3))
     assert decode(encode(req)) == req
     with pytest.raises(ValueError):
         decode(b'{"t": "os.system", "d": {}}')

@@ -7,6 +7,7 @@ import stat
 import pytest
 import zmq
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.io_struct import (
     AbortReq, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateReq,
     TokenizedGenerateReq, decode, encode,
@@ -48,7 +49,7 @@ class _FakeScheduler:
 def test_scheduler_loop_applies_requests_and_answers_control_calls_by_id():
     sched = _FakeScheduler()
     loop = SchedulerLoop(sched, recv=None, send=None)
-    assert loop.handle(TokenizedGenerateReq(rid="r1", input_ids=[1], sampling_params={})) is None
+    assert loop.handle(TokenizedGenerateReq(rid="r1", input_ids=[1], sampling_params=SamplingParams())) is None
     assert loop.handle(AbortReq(rid="r1")) is None and sched.aborted == ["r1"]
     assert loop.handle(FlushCacheReq(rid="c1")) == FlushCacheOut(success=False, message="busy", rid="c1")
     assert loop.handle(GetInternalStateReq(rid="c2")).state == {"num_requests": 1}

@@ -42,6 +42,7 @@ from radixlang.runtime.io_struct import (
     GetInternalStateReq, SchedulerReady, TokenizedGenerateReq,
 )
 from radixlang.runtime.front.request_output import Item, RequestOutput, expand_requests, is_batched
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class RequestFront:
                input_ids: list[int] | list[list[int]] | None) -> list[Item]:
         return expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
 
-    def submit(self, input_ids: list[int], text: str | None, params: dict[str, Any], *, sink: Sink,
+    def submit(self, input_ids: list[int], text: str | None, params: SamplingParams, *, sink: Sink,
                return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                stream: bool = False, rid: str | None = None) -> Pending:
         """Route one expanded request, register it and send it; its snapshots go to ``sink``."""

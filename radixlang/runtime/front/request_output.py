@@ -14,12 +14,13 @@ from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.tokenizer_source import encode_prompt
 
-Item = tuple[list[int], "str | None", dict[str, Any]]  # (input_ids, prompt text, sampling params with n=1)
+Item = tuple[list[int], "str | None", SamplingParams]  # (input_ids, prompt text, its params: one per copy of n)
 
 
 def expand_requests(tokenizer: Any, prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
                     input_ids: list[int] | list[list[int]] | None) -> list[Item]:
-    """One item per request the scheduler will see; raises ValueError on a malformed call."""
+    """One item per request the scheduler will see, its prompt tokenized and its params built and validated
+    here, once (n copies share one frozen SamplingParams); raises RequestError on a malformed call."""
     if (prompt is None) == (input_ids is None):
         raise RequestError("give exactly one of prompt (text) or input_ids", "text")
     if prompt is not None:
@@ -33,16 +34,12 @@ def expand_requests(tokenizer: Any, prompt: str | list[str] | None, sampling_par
         texts = [None] * len(ids)
     if isinstance(sampling_params, list):
         if len(sampling_params) != len(ids):
-            raise RequestError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts")
-        plist = [dict(p or {}) for p in sampling_params]
+            raise RequestError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts",
+                               "sampling_params")
+        plist = [SamplingParams.from_dict(p) for p in sampling_params]
     else:
-        plist = [dict(sampling_params or {}) for _ in ids]
-    items: list[Item] = []
-    for i, t, p in zip(ids, texts, plist):
-        n = SamplingParams.from_dict(p).n  # validates early, in the caller
-        for _ in range(n):
-            items.append((i, t, {**p, "n": 1}))
-    return items
+        plist = [SamplingParams.from_dict(sampling_params)] * len(ids)
+    return [(i, t, p) for i, t, p in zip(ids, texts, plist) for _ in range(p.n)]
 
 
 def is_batched(prompt: Any, input_ids: Any, num_items: int) -> bool:

@@ -1,7 +1,10 @@
 """SamplingParams: the one definition of a request's sampling options.
 
 Torch-free so that the HTTP layer and clients can validate without the
-runtime. Names and defaults follow SGLang's native API.
+runtime. Names and defaults follow SGLang's native API. Built and validated
+once, in the request front, and frozen: the scheduler receives the same
+object (or, over a process boundary, its fields, not validated again) and
+keeps its own per-request state (the token budget left) on its request.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from typing import Any
 from radixlang.runtime.errors import RequestError
 
 _GREEDY_EPS = 1e-6
+# the token budget of a request that sets no max_new_tokens (SGLang's); capped to the context left, where an
+# explicit max_new_tokens past it is refused
+DEFAULT_MAX_NEW_TOKENS = 128
 # json_schema value meaning "any JSON object" (SGLang's spelling for OpenAI's json_object response format)
 ANY_JSON = "$$ANY$$"
 
@@ -21,9 +27,9 @@ ANY_JSON = "$$ANY$$"
 _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: not asked for (DEFAULT_MAX_NEW_TOKENS, capped to the context)
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -52,30 +58,39 @@ class SamplingParams:
     constrain_after: str | None = None
 
     def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:  # normalizing the caller's spellings, before freezing
+            object.__setattr__(self, name, value)
+
         if isinstance(self.stop_regex, str):
-            self.stop_regex = [self.stop_regex]
+            put("stop_regex", [self.stop_regex])
         elif self.stop_regex is None:
-            self.stop_regex = []
+            put("stop_regex", [])
         if isinstance(self.logit_bias, dict):
-            self.logit_bias = _canonical_bias(self.logit_bias)
+            put("logit_bias", _canonical_bias(self.logit_bias))
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            put("stop", [self.stop])
         elif self.stop is None:
-            self.stop = []
+            put("stop", [])
         if self.stop_token_ids is None:
-            self.stop_token_ids = []
+            put("stop_token_ids", [])
         if isinstance(self.json_schema, dict):
-            self.json_schema = json.dumps(self.json_schema)
+            put("json_schema", json.dumps(self.json_schema))
         if isinstance(self.structural_tag, dict):
-            self.structural_tag = json.dumps(self.structural_tag)
+            put("structural_tag", json.dumps(self.structural_tag))
         self.validate()
 
+    @property
+    def token_budget(self) -> int:
+        """max_new_tokens as asked, or the default."""
+        return DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
+
     def validate(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, lo=0)
+        if self.max_new_tokens is not None:
+            _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_int("min_new_tokens", self.min_new_tokens, lo=0)
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.min_new_tokens > self.token_budget:
             raise RequestError(f"min_new_tokens must be <= max_new_tokens, "
-                               f"got {self.min_new_tokens} > {self.max_new_tokens}", "min_new_tokens")
+                               f"got {self.min_new_tokens} > {self.token_budget}", "min_new_tokens")
         _check_num("temperature", self.temperature)
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
@@ -177,6 +192,15 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> SamplingParams:
+        """The params a front built and validated, back from ``to_dict`` after crossing a process boundary:
+        the same fields, not validated again."""
+        params = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            object.__setattr__(params, f.name, data[f.name])
+        return params
 
 
 def _canonical_bias(bias: dict[Any, Any]) -> dict[str, float]:

@@ -18,7 +18,8 @@ from radixlang.runtime.sampling.sampling_params import SamplingParams
 class Req:
     rid: str
     origin_input_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # as the front built it (frozen)
+    max_new_tokens: int  # output tokens it may take: max_new_tokens, or the default, capped to the context left
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

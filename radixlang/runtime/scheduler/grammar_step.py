@@ -61,7 +61,7 @@ def jump_forward(req: Req, before: GrammarState, tokenizer: Any) -> tuple[Finish
     if g.is_complete():  # only EOS could follow: end now instead of spending a step to sample it
         return FinishReason.stop(None), 0
     forced = g.try_jump_forward()
-    room = req.sampling_params.max_new_tokens - len(req.output_ids)
+    room = req.max_new_tokens - len(req.output_ids)
     if not forced or room <= 0:
         return None, 0
     token_bytes = g.compiled.tokenizer_info.token_bytes

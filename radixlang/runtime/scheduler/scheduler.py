@@ -27,7 +27,7 @@ from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
 from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq
 from radixlang.runtime.scheduler.kv_slots import KVSlots
-from radixlang.runtime.scheduler.request_checks import check_length_left
+from radixlang.runtime.scheduler.request_checks import token_budget
 from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
 from radixlang.runtime.scheduler.policy import order_waiting
 from radixlang.runtime.scheduler.speculative import make_drafter
@@ -43,7 +43,6 @@ from radixlang.runtime.model_executor.model_runner import ModelRunner
 from radixlang.runtime.model_executor.runner import Runner
 from radixlang.runtime.models.layers.rotary import rope_length_key
 from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
-from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -89,21 +88,21 @@ class Scheduler:
 
     # ---- requests in ---------------------------------------------------------------------
     def add_request(self, tr: TokenizedGenerateReq) -> None:
+        params = tr.sampling_params
         try:
-            params = SamplingParams.from_dict(tr.sampling_params)
-            self._validate(tr, params)
+            budget = self._validate(tr)
             future = self.grammars.submit(params)
         except ValueError as e:  # a RequestError, or a grammar the compiler refused
             self.outputs.add_error(tr.rid, str(e), prompt_tokens=len(tr.input_ids), param=getattr(e, "param", None))
             return
-        req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params,
+        req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params, max_new_tokens=budget,
                   return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
                   arrival_time=time.monotonic(),
                   cache_namespace=rope_length_key(self.runner.hf_config, len(tr.input_ids)))
         self.stats["num_requests"] += 1
-        if params.max_new_tokens == 0 and not tr.return_logprob and self.args.disable_radix_cache:
+        if budget == 0 and not tr.return_logprob and self.args.disable_radix_cache:
             # a prefill-only request (a client warming a prefix) returns nothing, and without a cache it
             # leaves nothing behind: computing it would only cost a prefill
             req.finished_reason = FinishReason.max_tokens(0)
@@ -111,23 +110,24 @@ class Scheduler:
             return
         self.waiting.append(req)
 
-    def _validate(self, tr: TokenizedGenerateReq, params: SamplingParams) -> None:
+    def _validate(self, tr: TokenizedGenerateReq) -> int:
+        """Checks against this model and pool; the request's token budget."""
         vocab_size, context_len = self.runner.vocab_size, self.runner.context_len
         if not tr.input_ids:
             raise RequestError("the prompt is empty: give text or input_ids with at least one token", "input_ids")
         bad = [t for t in tr.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"input_ids must be in [0, {vocab_size}), got {bad[0]}", "input_ids")
-        _validate_request_extras(tr, params, vocab_size)
+        _validate_request_extras(tr, vocab_size)
         if len(tr.input_ids) >= context_len:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
                                f"{context_len}", "input_ids")
-        check_length_left(tr, params, context_len)
+        budget = token_budget(tr, context_len)
         if len(tr.input_ids) + 1 > self.kv_pool.size:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV pool holds {self.kv_pool.size}",
                                "input_ids")
         # a lone request past the pool could not be retracted: cap it, as for context
-        params.max_new_tokens = min(params.max_new_tokens, self.kv_pool.size - len(tr.input_ids))
+        return min(budget, self.kv_pool.size - len(tr.input_ids))
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:
@@ -317,7 +317,7 @@ class Scheduler:
         unmasked = logits.clone() if any(r.return_logprob and r.grammar is not None for r in reqs) else None
         apply_grammar_masks(reqs, logits)
         raw = logits.clone() if any(r.return_logprob for r in reqs) else logits
-        if all(r.sampling_params.max_new_tokens == 0 for r in reqs):
+        if all(r.max_new_tokens == 0 for r in reqs):
             next_ids = None
         else:
             next_ids = sample(logits, self._sampling_info(reqs), self.generator)
@@ -326,7 +326,7 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if req.finished:
                 continue
-            if next_ids is None or req.sampling_params.max_new_tokens == 0:
+            if next_ids is None or req.max_new_tokens == 0:
                 req.finished_reason = FinishReason.max_tokens(0)
                 continue
             self.metrics.observe_token(req, now)
@@ -488,12 +488,12 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _validate_request_extras(tr: TokenizedGenerateReq, params: SamplingParams, vocab_size: int) -> None:
+def _validate_request_extras(tr: TokenizedGenerateReq, vocab_size: int) -> None:
     """Checks that need the prompt length or the vocabulary: logprob_start_len, logit_bias ids."""
     if tr.return_logprob and tr.logprob_start_len >= len(tr.input_ids):
         raise RequestError(f"logprob_start_len must be < the prompt's {len(tr.input_ids)} tokens, got "
                            f"{tr.logprob_start_len}", "logprob_start_len")
-    bad = [t for t, _ in params.logit_bias_ids if t >= vocab_size]
+    bad = [t for t, _ in tr.sampling_params.logit_bias_ids if t >= vocab_size]
     if bad:
         raise RequestError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}", "logit_bias")
 

@@ -51,7 +51,7 @@ def draft_limit(req: Req, k: int, context_len: int) -> int:
     if req.return_logprob or req.seq_len - req.kv_len != 1:
         return 0
     # the checked step appends up to len(drafts) + 1 tokens: stay within max_new_tokens and the context
-    left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+    left = req.max_new_tokens - len(req.output_ids) - 1
     return min(k, left, context_len - req.seq_len - 1)
 
 

@@ -23,8 +23,8 @@ def check_finished(req: Req, tokenizer: Any, new_tokens: int = 1) -> FinishReaso
             pattern = _match_stop_regex(req, tokenizer)
             if pattern is not None:
                 return FinishReason.stop(pattern)
-    if len(req.output_ids) >= params.max_new_tokens:
-        return FinishReason.max_tokens(params.max_new_tokens)
+    if len(req.output_ids) >= req.max_new_tokens:
+        return FinishReason.max_tokens(req.max_new_tokens)
     return None
 
 

@@ -14,6 +14,8 @@ import torch
 from device_tags import DeviceMixError, FakeDeviceMode
 from waiting import GENEROUS
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+
 
 def test_the_mode_catches_a_mix_and_allows_what_cuda_allows():
     with FakeDeviceMode():
@@ -65,13 +67,15 @@ def _drive(scheduler) -> dict[str, list[int]]:
 
     greedy8 = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     for rid, ids in (("warm", prefix + [1]), ("cached", prefix + [9, 9])):  # the second reuses the first's KV
-        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=greedy8))
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids,
+                                                   sampling_params=SamplingParams.from_dict(greedy8)))
         run_until_idle()
     # the regex is compiled (in a worker process) before the burst, so the three requests decode together
     # however long a compile takes on this machine
     scheduler.grammars.compiler.compile_async("regex", reqs[2][2]["regex"]).result(timeout=GENEROUS)
     for rid, ids, params in reqs:  # together they outgrow the pool while decoding: one is retracted
-        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=ids,
+                                                   sampling_params=SamplingParams.from_dict(params)))
     run_until_idle()
     assert all(logprobs[r] for r in outputs)
     return {**outputs, "logprobs": logprobs}
@@ -343,7 +347,7 @@ def test_each_replica_sets_its_gpu_before_building(tiny_model_dir, monkeypatch):
     class Stop(Exception):
         pass
 
-    def stop(self, args):
+    def stop(self, *build_args):
         raise Stop
 
     monkeypatch.setattr(model_runner.ModelRunner, "_build", stop)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from scripted_runner import VOCAB, ScriptedRunner
 
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.io_struct import TokenizedGenerateReq
 from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.server_args import REDACTED, ServerArgs
 
 
 def _run(sched: Scheduler, rid: str, prompt: list[int], params: dict) -> tuple[list[int], dict]:
-    sched.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params={"temperature": 0.0, **params}))
+    params = SamplingParams.from_dict({"temperature": 0.0, **params})
+    sched.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params))
     ids: list[int] = []
     for _ in range(200):
         out = sched.step()

@@ -12,7 +12,9 @@ from scripted_runner import EOS, VOCAB, CharTokenizer, ScriptedRunner, greedy_co
 from radixlang.constrained import GrammarCompiler, TokenizerInfo
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
+from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq, decode, encode
+from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.server_args import ServerArgs
 
@@ -25,7 +27,7 @@ def make(*, runner: ScriptedRunner | None = None, **args) -> tuple[Scheduler, Sc
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], **params) -> None:
     sched.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt,
-                                           sampling_params={"temperature": 0.0, **params}))
+                                           sampling_params=SamplingParams.from_dict({"temperature": 0.0, **params})))
 
 
 class Collected:
@@ -297,15 +299,19 @@ def test_refused_requests_report_a_400_naming_the_field():
     sched, runner = make(grammar_backend="outlines")  # outlines takes no ebnf (xgrammar / llguidance do)
     submit(sched, "empty", [], max_new_tokens=3)
     submit(sched, "oov", [VOCAB + 5], max_new_tokens=3)
-    submit(sched, "bad_param", prompt(18), top_p=1.5)
+    submit(sched, "bad_bias", prompt(18), logit_bias={str(VOCAB + 1): 1.0})  # needs the vocabulary: here
     submit(sched, "ebnf", prompt(18), ebnf="root ::= 'a'")
     got = Collected()
     got.add(sched.step())
-    for rid, param in [("empty", "input_ids"), ("oov", "input_ids"), ("bad_param", "top_p"), ("ebnf", "ebnf")]:
+    for rid, param in [("empty", "input_ids"), ("oov", "input_ids"), ("bad_bias", "logit_bias"), ("ebnf", "ebnf")]:
         reason = got.reasons[rid]
         assert set(reason) == {"type", "message", "status_code", "param"}, reason
         assert reason["type"] == "abort" and reason["status_code"] == 400 and reason["param"] == param
     assert sched.is_idle() and not runner.calls
+    # a bad value is refused where the params are built, once, in the request front: it never reaches here
+    with pytest.raises(RequestError) as refused:
+        submit(sched, "bad_param", prompt(18), top_p=1.5)
+    assert refused.value.param == "top_p" and sched.is_idle()
 
 
 def test_prefill_only_request_without_a_cache_finishes_without_a_forward():

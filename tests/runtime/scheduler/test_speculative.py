@@ -14,8 +14,8 @@ from radixlang.runtime.server_args import ServerArgs
 
 
 def _req(prompt: list[int], output: list[int] = (), **params) -> Req:
-    req = Req(rid="r", origin_input_ids=list(prompt), sampling_params=SamplingParams.from_dict(
-        {"max_new_tokens": 64, **params}))
+    req = Req(rid="r", origin_input_ids=list(prompt), sampling_params=SamplingParams.from_dict(params),
+              max_new_tokens=64)
     req.output_ids = list(output)
     req.kv_len = req.seq_len - 1
     return req
