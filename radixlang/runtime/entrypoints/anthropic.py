@@ -19,7 +19,7 @@ from radixlang.runtime.entrypoints.anthropic_protocol import (
     CountTokensRequest, MessagesRequest, anthropic_error, chat_body, content_blocks, error_body, stop_reason, usage,
 )
 from radixlang.runtime.entrypoints.http_common import (
-    Front, chat_template_of, check_outputs, json_object, model_name, named_field, parse_model, unknown_model,
+    Front, chat_template_of, check_outputs, json_object, model_name, parse_model, unknown_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest
@@ -66,7 +66,7 @@ async def _count_tokens(engine: Front, raw: bytes) -> Response:
 def _anthropic_message(e: RequestError) -> str:
     """The message, its leading field renamed to this API's name (max_new_tokens -> max_tokens)."""
     message = str(e)
-    param = e.param or named_field(message)
+    param = e.param
     if param in _NAMES and message.startswith(param + " "):
         message = _NAMES[param] + message[len(param):]
     return _tools_named(message, param)

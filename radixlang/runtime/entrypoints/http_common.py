@@ -2,7 +2,6 @@
 error responses, and turning a request the scheduler refused into a ``RequestError``."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal, Protocol
 
 import orjson
@@ -13,7 +12,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.front.tokenizer_manager import RequestStream
-from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.tokenizer_source import resolve_chat_template
 
@@ -125,17 +123,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(GenerateRequest.model_fields)
-
-
-def named_field(message: str) -> str | None:
-    """The first request field a validation message mentions ("top_p must be ..."), reported as the param."""
-    for word in message.replace(",", " ").replace(":", " ").split():
-        if word in _FIELDS:
-            return word
-    return None
-
-
 def parse_model(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
@@ -151,7 +138,7 @@ def check_outputs(outs: list[dict[str, Any]], param: str) -> None:
         reason = out["meta_info"].get("finish_reason") or {}
         if reason.get("type") == "abort" and reason.get("status_code"):
             message = reason.get("message", "request refused")
-            raise RequestError(message, reason.get("param") or named_field(message) or param)
+            raise RequestError(message, reason.get("param") or param)
 
 
 _LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")

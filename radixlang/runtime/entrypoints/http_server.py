@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
     Front, GenerateRequest, chat_template_of, check_outputs, error_response,
-    fill_logprob_text, install_error_handlers, json_object, model_name, named_field, parse_model,
+    fill_logprob_text, install_error_handlers, json_object, model_name, parse_model,
 )
 from radixlang.runtime.entrypoints.anthropic import serve_count_tokens, serve_messages
 from radixlang.runtime.entrypoints.anthropic_protocol import anthropic_error
@@ -56,7 +56,7 @@ def create_app(engine: Front) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param or named_field(str(exc)))
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(Exception)
     async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:

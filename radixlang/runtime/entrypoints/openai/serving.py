@@ -12,7 +12,7 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, chat_template_of, check_outputs, model_name, named_field, parse_model, unknown_model,
+    Front, chat_template_of, check_outputs, model_name, parse_model, unknown_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers, special_tokens
 from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
@@ -179,7 +179,7 @@ async def _serve_openai(engine: Front, req: Any, prompts: list, params: dict[str
         return await _run_openai(engine, req, prompts, params, chat=chat, tools=tools, top_logprobs=top_logprobs,
                                  echo=echo, drop=drop)
     except RequestError as e:  # report the field by its OpenAI name
-        param = e.param or named_field(str(e))
+        param = e.param
         if grammar_field is not None and param in (*_GRAMMAR_PARAMS, "constrain_after"):
             param = grammar_field
         fallback = "messages" if chat and param in ("prompt", None) else param
