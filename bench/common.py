@@ -27,7 +27,7 @@ def load_hf(folder: str):
     tokenizer only), from the GGUF file it names, through transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM
 
-    from radixlang.runtime.models.gguf_convert import gguf_of_folder
+    from radixlang.runtime.models.loader.gguf_convert import gguf_of_folder
     gguf_path = gguf_of_folder(folder)
     if gguf_path is not None:
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),

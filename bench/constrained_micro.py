@@ -48,7 +48,7 @@ DOCUMENT = ('{"name": "Ada Lovelace", "age": 36, "email": "ada@analytical.engine
 def load_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from radixlang.runtime.models.loader import resolve_model_dir
+    from radixlang.runtime.models.loader.model_loader import resolve_model_dir
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 

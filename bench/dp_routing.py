@@ -35,7 +35,7 @@ import httpx
 from bench.common import timed, write_result
 from bench.prefix_sharing import few_shot_prompts
 from radixlang import Engine
-from radixlang.runtime.models.loader import resolve_model_dir
+from radixlang.runtime.models.loader.model_loader import resolve_model_dir
 from radixlang.runtime.dp.router import Router
 
 POLICIES = ("cache_aware", "round_robin")

@@ -28,7 +28,7 @@ import torch
 from bench.common import (copy_bandwidth_gbs, hf_generate, load_hf, model_weight_bytes, read_bandwidth_gbs, threads,
                           timed, write_result)
 from radixlang import Engine
-from radixlang.runtime.models.loader import resolve_model_dir
+from radixlang.runtime.models.loader.model_loader import resolve_model_dir
 
 
 def _transformers_baseline(folder: str, prompt: list[int], new_tokens: int, subset: list[list[int]],

@@ -35,7 +35,7 @@ def main() -> None:
                     help=f"any of the run_all systems (default {SYSTEMS})")
     ap.add_argument("--repeat", type=int, default=3, help="turns per system; the best is compared (default 3)")
     args = ap.parse_args()
-    from radixlang.runtime.models.loader import resolve_model_dir
+    from radixlang.runtime.models.loader.model_loader import resolve_model_dir
     model_dir = resolve_model_dir(None)
     systems: list[System] = [s for s in default_systems(args.n) if s.name in args.systems]
     runs: dict[str, list[dict]] = {s.name: [] for s in systems}

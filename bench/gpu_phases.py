@@ -62,7 +62,7 @@ def model_folder(args, name: str) -> str:
             config = json.load(f)
     else:  # no bundle (a CPU run of the check): the configs it would carry, the embedded model's tokenizer
         from bench.prepare_gpu_bundle import model_config
-        from radixlang.runtime.models.loader import resolve_model_dir
+        from radixlang.runtime.models.loader.model_loader import resolve_model_dir
         config = model_config(name)
         tok = resolve_model_dir(None)
     if small:
@@ -99,7 +99,7 @@ def device_random_weights(device: str):
     """loader.random_weights drawn on ``device``: the 7B shape's ~7e9 numbers take a minute on the host."""
     import torch
 
-    from radixlang.runtime.models import loader
+    from radixlang.runtime.models.loader import model_loader as loader
 
     def weights(config: Any, seed: int):
         with torch.device("meta"):
@@ -326,7 +326,7 @@ def speed_rows(args, rec: Record, backend: str, key: str, bandwidth: float, **kw
     random weights drawn on the device, decode in CUDA graphs."""
     import torch
 
-    from radixlang.runtime.models import loader
+    from radixlang.runtime.models.loader import model_loader as loader
 
     cuda = args.device == "cuda"
     loader.random_weights = device_random_weights(args.device)  # this phase's process only

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.build:
         print(build(args.jobs))
     if args.serve:
-        from radixlang.runtime.models.loader import default_model_path
+        from radixlang.runtime.models.loader.model_loader import default_model_path
         with LlamaServer(default_model_path(), parallel=args.parallel, threads=args.threads, port=args.port) as srv:
             print(f"llama-server at {srv.url}: {' '.join(srv.argv)}", flush=True)
             try:

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a downloaded flashinfer-python wheel (else pip downloads it)")
     ap.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "radixlang", "gpu_bundle_work"))
     args = ap.parse_args(argv)
-    from radixlang.runtime.models.loader import resolve_model_dir
+    from radixlang.runtime.models.loader.model_loader import resolve_model_dir
 
     if os.path.exists(args.out):
         shutil.rmtree(args.out)

@@ -255,7 +255,7 @@ def main() -> None:
                                                    "radixlang_bf16, and radixlang_server with --quick)")
     ap.add_argument("--out", default="latest", help="results name: bench/results/NAME.json and NAME.png")
     args = ap.parse_args()
-    from radixlang.runtime.models.loader import resolve_model_dir
+    from radixlang.runtime.models.loader.model_loader import resolve_model_dir
     workloads = [w for w in all_workloads() if not args.only or w.name in args.only]
     systems = [s for s in default_systems(args.concurrency)
                if (s.name in args.systems if args.systems else s.name not in _NOT_BY_DEFAULT[args.quick])]

@@ -187,7 +187,7 @@ def bench_llama_server(requests: list[BenchRequest], args: argparse.Namespace) -
     slots as requests can be in flight (at most 32), the same threads; its hit rate from its timings."""
     from bench.common import threads
     from bench.llama_server import LlamaServer
-    from radixlang.runtime.models.loader import default_model_path
+    from radixlang.runtime.models.loader.model_loader import default_model_path
 
     slots = min(32, args.max_concurrency or len(requests))
     ctx = max(len(r.input_ids) + r.output_len for r in requests) + 16

@@ -156,7 +156,7 @@ class RadixSystem(System):
     def open(self, model_dir: str) -> CountingEngineBackend:
         from bench.common import threads
         from radixlang import Engine
-        from radixlang.runtime.models.loader import default_model_path
+        from radixlang.runtime.models.loader.model_loader import default_model_path
         kwargs = {"max_total_tokens": 65536, "num_threads": threads(), **dict(self.engine_kwargs)}
         engine = Engine(model_path=default_model_path() if self.gguf else model_dir, **kwargs)
         return CountingEngineBackend(engine)
@@ -188,7 +188,7 @@ class LlamaCppSystem(System):
     def open(self, model_dir: str) -> Any:
         from bench.common import threads
         from bench.peers import LlamaCppBackend
-        from radixlang.runtime.models.loader import default_model_path
+        from radixlang.runtime.models.loader.model_loader import default_model_path
         return LlamaCppBackend(default_model_path(), model_dir, n_threads=threads())
 
     def missing(self) -> str | None:
@@ -203,7 +203,7 @@ class LlamaServerSystem(System):
     def open(self, model_dir: str) -> Any:
         from bench.common import threads
         from bench.llama_server import LlamaServer, LlamaServerBackend
-        from radixlang.runtime.models.loader import default_model_path
+        from radixlang.runtime.models.loader.model_loader import default_model_path
         server = LlamaServer(default_model_path(), parallel=self.concurrency, threads=threads())
         return LlamaServerBackend(server, model_dir)
 

@@ -77,7 +77,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def open_system(name: str) -> Client:
     from radixlang.lang.backends.runtime import Runtime
-    from radixlang.runtime.models.loader import default_model_path
+    from radixlang.runtime.models.loader.model_loader import default_model_path
 
     if name.startswith("llama-server"):
         from bench.llama_server import LlamaServer
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from bench.llama_server import binary_path
-    from radixlang.runtime.models.loader import resolve_model_dir
+    from radixlang.runtime.models.loader.model_loader import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     repeats = 1 if args.quick else 3

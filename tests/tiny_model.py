@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 
-from radixlang.runtime.models.loader import default_model_path, resolve_model_dir
+from radixlang.runtime.models.loader.model_loader import default_model_path, resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

@@ -289,7 +289,7 @@ def _own_model_name(model_path: str | None) -> str:
     """A model's own name, never a path of this machine: a hub id as given, a folder's name, a GGUF
     file's stem (the embedded model's when no path is given)."""
     if model_path is None:
-        from radixlang.runtime.models.loader import default_model_path
+        from radixlang.runtime.models.loader.model_loader import default_model_path
         try:
             model_path = default_model_path()
         except FileNotFoundError:  # the scheduler reports the missing model; the name is moot
@@ -304,7 +304,7 @@ def _own_model_name(model_path: str | None) -> str:
 def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
     """Whether the model is a GGUF file holding quantized blocks served natively (--quantization gguf)."""
     from radixlang.runtime.models.gguf_quant import is_quantized_gguf
-    from radixlang.runtime.models.loader import gguf_source
+    from radixlang.runtime.models.loader.model_loader import gguf_source
 
     try:
         path = gguf_source(model_path, load_format)

@@ -99,7 +99,7 @@ def test_a_cpu_run_needs_no_bundle(tmp_path, shape):
 
 def test_weights_drawn_on_the_device_fill_the_same_tensors_as_the_loaders(tiny_model_dir):
     from bench.gpu_phases import device_random_weights
-    from radixlang.runtime.models.loader import random_weights, read_config
+    from radixlang.runtime.models.loader.model_loader import random_weights, read_config
 
     config = read_config(tiny_model_dir)
     want = {name: tuple(t.shape) for name, t in random_weights(config, 0)}

@@ -17,8 +17,8 @@ from radixlang.runtime.entrypoints.http_server import create_app
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest, chat_prompt
 from radixlang.runtime.front.request_front import RequestFront
 from radixlang.runtime.front.request_output import expand_requests
-from radixlang.runtime.models.gguf_convert import eos_token_ids
-from radixlang.runtime.models.loader import resolve_model_dir
+from radixlang.runtime.models.loader.gguf_convert import eos_token_ids
+from radixlang.runtime.models.loader.model_loader import resolve_model_dir
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.tokenizer_source import BUILTIN_TEMPLATES, encode_chat, resolve_chat_template
 from test_gguf_families import _write_gguf

@@ -4,7 +4,7 @@ The library links decode_stack.c with cpu_ops.c, quant_ops.c and quant_vnni.c, a
 layer after layer as the Python layers would call them (see the C header for the order). ``Layer`` and
 ``Step`` mirror the C structs; ``QWeight.of`` describes a ``QuantWeight``, ``QWeight.of_float`` a
 row-major float32 weight (run by cpu_ops.c's small-row ``rl_linear``). The C code trusts every
-pointer and size: the caller (runtime/models/decode_stack.py) checks the step's shapes, dtypes and index
+pointer and size: the caller (runtime/model_executor/decode_stack.py) checks the step's shapes, dtypes and index
 ranges before ``run``.
 """
 from __future__ import annotations

@@ -17,6 +17,7 @@ from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.kernels.cuda_graph import CudaGraphRunner, DecodeGraphInputs, GraphAttnBackend
 from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.model_executor.decode_stack import DecodeStack
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
@@ -24,8 +25,7 @@ from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.models.layers.attention_config import check_backend_features, layer_sliding_window
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
-from radixlang.runtime.models.loader import gguf_source, load_model, read_config, resolve_model_dir
-from radixlang.runtime.models.decode_stack import DecodeStack
+from radixlang.runtime.models.loader.model_loader import Checkpoint, load_checkpoint, open_checkpoint, read_config
 from radixlang.runtime.models.gguf_quant import gguf_replaced_params
 from radixlang.runtime.models.packed import pack_model_
 from radixlang.runtime.models.quant import quantize_model_
@@ -68,40 +68,46 @@ class ModelRunner:
             # rank 0 of its replica: the replica's first GPU (followers set theirs before joining the group);
             # the current device is per thread, and this thread builds and runs the replica
             torch.cuda.set_device(cuda_device_index(args, 0, torch.cuda.device_count()))
+        # the checkpoint's one open of this start (a GGUF's header parsed once); not kept past the build, so
+        # that the file's memory map goes once its tensors are copied
+        checkpoint = open_checkpoint(args.model_path, args.load_format)
         if args.tp_size > 1 and tp is None:  # rank 0: refuse a bad split before starting any process
-            check_tensor_parallel(read_config(resolve_model_dir(args.model_path, args.load_format)), args.tp_size)
+            check_tensor_parallel(read_config(checkpoint.folder), args.tp_size)
             self.tp_leader = TPLeader.start(args, follower_main)
         self.tp = tp if self.tp_leader is None else self.tp_leader.comm
         self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
         self.graph_runner: CudaGraphRunner | None = None
         try:
-            self._build(args)
+            self._build(args, checkpoint)
             self.graph_runner = self._init_cuda_graphs(args)
         except BaseException:
             if self.tp_leader is not None:
                 self.tp_leader.abort()
             raise
 
-    def _build(self, args: ServerArgs) -> None:
-        gguf_path = gguf_source(args.model_path, args.load_format)
+    def _build(self, args: ServerArgs, checkpoint: Checkpoint) -> None:
+        gguf = checkpoint.gguf
         # a quantized GGUF's linears are replaced by its own blocks: their float32 weights are never loaded
-        deferred = ((lambda model: gguf_replaced_params(model, gguf_path))
-                    if args.quantization == "gguf" and gguf_path else None)
-        loaded = load_model(args.model_path, load_format=args.load_format, dtype=self.dtype, device=self.device,
-                            seed=args.random_seed, tokenizer_path=args.tokenizer_path, tp=self.tp, deferred=deferred)
+        deferred = ((lambda model: gguf_replaced_params(model, gguf))
+                    if args.quantization == "gguf" and gguf is not None else None)
+        loaded = load_checkpoint(checkpoint, model_path=args.model_path, load_format=args.load_format,
+                                 dtype=self.dtype, device=self.device, seed=args.random_seed,
+                                 tokenizer_path=args.tokenizer_path, tp=self.tp, deferred=deferred)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization:
             quantize_model_(self.model, args.quantization, self.device,
-                            gguf_path=gguf_path,
+                            gguf_file=gguf,
                             prefill_copies=not args.disable_weight_packing,
                             prefill_copy_bytes=int(PREFILL_COPY_SHARE * host_memory()[1]))
         if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
             packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
             logger.info("packed %d linear layers into oneDNN's layout", packed)
+        # the fused CPU decode step: every step is offered to it first (run_step), where the model's layers
+        # declare it (DecoderLayer.fused_decode)
+        self.decode_stack: DecodeStack | None = None
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
-            if hasattr(self.model, "decode_stack"):
-                self.model.decode_stack = DecodeStack.build(self.model)
+            self.decode_stack = DecodeStack.build(self.model)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = rope_context_length(self.hf_config)
@@ -286,7 +292,10 @@ class ModelRunner:
                     and self.graph_runner.can_run(fb.batch_size)):
                 return self.graph_runner.replay(fb.input_ids, fb.positions, fb)
             self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
+            hidden = (self.decode_stack.forward(fb.input_ids, fb.positions, fb)
+                      if every and self.decode_stack is not None else None)  # None: a step it does not take
+            if hidden is None:
+                hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
             return self.model.compute_logits(hidden)  # [len(rows), vocab] float32
 
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """A quantized GGUF's weights served as they are stored (``--quantization gguf``, the default for one on the CPU).
 
-The model is first built and loaded from the GGUF file (gguf_convert.py: config and tokenizer;
-gguf_weights.py: the tensors that stay float32, dequantized one at a time: norms, the embedding table for
+The model is first built and loaded from the GGUF file (loader/gguf_convert.py: config and tokenizer;
+loader/gguf_weights.py: the tensors that stay float32, dequantized one at a time: norms, the embedding table for
 lookups, linears of other types), the linears planned here left unloaded. Then every linear whose GGUF
 tensor is one of the block types below is replaced by a ``QuantLinear`` holding that tensor's integer
 codes and per-group scales and offsets, read straight from the file, so a decode step streams the
@@ -55,7 +55,7 @@ from torch import nn
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks,
                                                   decode_tensor)
-from radixlang.runtime.models.gguf_file import read_gguf
+from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
 from radixlang.runtime.models.parallel import TPComm, column_part_rows, padded_vocab
 
@@ -297,11 +297,9 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
     return _Plan(swaps, logits, kept, unaligned)
 
 
-def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
+def gguf_replaced_params(model: nn.Module, reader: GGUFFile) -> set[str]:
     """The names of the parameters ``apply_gguf_quantization_`` will replace (from the file's header), so
     that loading can leave them unfilled: the float32 copies of those weights are never made."""
-
-    reader = read_gguf(gguf_path)
     plan = _plan(model, reader)
     names = {swap.param for swap in plan.swaps.values()}
     names |= expert_param_names(plan_experts(model, reader, align=TP_INPUT_ALIGN)[0])
@@ -310,16 +308,15 @@ def gguf_replaced_params(model: nn.Module, gguf_path: str) -> set[str]:
     return names
 
 
-def apply_gguf_quantization_(model: nn.Module, gguf_path: str) -> dict[str, int]:
+def apply_gguf_quantization_(model: nn.Module, reader: GGUFFile) -> dict[str, int]:
     """Swap the model's linears for QuantLinears over the GGUF file's own blocks; returns type -> tensors
     swapped. Under tensor parallelism each rank keeps its slice of every block tensor (whole output rows of
     q/k/v, gate/up and the logits; whole groups of o_proj's and down_proj's input features), each part of a
     fused projection sliced alone. Refuses a model left with a parameter that loading skipped and no swap
     replaced."""
 
-    from radixlang.runtime.models.gguf_weights import restore_layout
+    from radixlang.runtime.models.loader.gguf_weights import restore_layout
 
-    reader = read_gguf(gguf_path)
     plan = _plan(model, reader)
     arch = reader.fields["general.architecture"]
     n_head = model.config.num_attention_heads

@@ -13,7 +13,7 @@ without one the layers are the plain torch modules.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,9 @@ class MLP(nn.Module):
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(full, config.hidden_size, tp)
+        # under tensor parallelism down_proj is row-parallel (float, or a GGUF's blocks: gguf_quant) and
+        # gives this rank's term of its sum
+        self.row_parallel = tp is not None
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in _ACTIVATIONS:
@@ -129,8 +132,7 @@ class MLP(nn.Module):
         """This rank's term of the output, not yet summed over the tensor-parallel ranks (a MoE layer sums
         it with its experts' in one all-reduce); without tensor parallelism, the output."""
         down = self.down_proj
-        # a row-parallel linear, float or quantized (gguf_quant), has one; a whole linear's output is the term
-        return down.partial_sum(self._hidden(x)) if hasattr(down, "partial_sum") else down(self._hidden(x))
+        return down.partial_sum(self._hidden(x)) if self.row_parallel else down(self._hidden(x))
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, [n, inter]: the compiled kernel's SiLU when fused."""
@@ -142,6 +144,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     attention_cls: type[Attention] = Attention
+    # the hook of the fused CPU decode step (model_executor/decode_stack.py), which runs this class's forward
+    # in C: a subclass changing what a layer computes (its forward, attention or MLP) must not inherit the
+    # claim, so a subclass keeps it only by declaring it again (Qwen3's q/k norms are within the step)
+    fused_decode: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.fused_decode = bool(cls.__dict__.get("fused_decode", False))
 
     def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
         super().__init__()
@@ -225,7 +235,6 @@ class LlamaForCausalLM(nn.Module):
         # per table: the prompt length past which prompt positions take other rows (rotary.length_rows)
         self.rope_switch = [rope_switch_point(config, self.rope_table_layer_type(t)) for t in range(len(tables))]
         self.cpu_kernels = False  # see use_cpu_kernels
-        self.decode_stack: Any = None  # models/decode_stack.DecodeStack, set by the runner where it applies
         materialize_(self, dtype, device)
 
     @torch.inference_mode()
@@ -237,10 +246,6 @@ class LlamaForCausalLM(nn.Module):
         The last layer then runs its output projection and MLP on those rows alone: a prefill needs the
         logits of its last token, while every token's k and v (written before attention) are still
         cached. On SmolLM2 (30 layers) that skips ~3% of a prefill's matmul work."""
-        if self.decode_stack is not None and keep_rows is None:
-            hidden = self.decode_stack.forward(input_ids, positions, forward_batch)
-            if hidden is not None:
-                return hidden
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale

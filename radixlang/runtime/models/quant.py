@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlang.runtime.models.loader.gguf_file import GGUFFile
+
 QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: the GGUF file's own blocks (models/gguf_quant.py)
 # up to this many rows the int8 kernel wins; past it, dequantizing the weight to bfloat16 once per
 # call and running a bfloat16 matmul is several times faster (measured on this CPU: 3x at 1,000 rows)
@@ -79,21 +81,21 @@ def _tied(model: nn.Module, make) -> nn.Module:
     return make(lin)
 
 
-def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_path: str | None = None,
+def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_file: GGUFFile | None = None,
                     prefill_copies: bool = False, prefill_copy_bytes: int | None = None) -> nn.Module:
     """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
-    quantized blocks of ``gguf_path``, the file the model was loaded from; ``prefill_copies``: plus a
-    packed float32 copy per layer for prefills, unless they would exceed ``prefill_copy_bytes``
-    (gguf_quant.add_prefill_copies_)."""
+    quantized blocks of ``gguf_file``, the file the model was loaded from (its header read once per
+    start: loader/model_loader.open_checkpoint); ``prefill_copies``: plus a packed float32 copy per
+    layer for prefills, unless they would exceed ``prefill_copy_bytes`` (gguf_quant.add_prefill_copies_)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if device != "cpu":
         raise ValueError(f"quantization {method!r} is implemented for the CPU only, got device {device!r}")
     if method == "gguf":
         from radixlang.runtime.models.gguf_quant import add_prefill_copies_, apply_gguf_quantization_
-        if not gguf_path or not gguf_path.endswith(".gguf"):
-            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {gguf_path!r}")
-        apply_gguf_quantization_(model, gguf_path)
+        if gguf_file is None:
+            raise ValueError("quantization 'gguf' needs a .gguf model file, got a checkpoint of another format")
+        apply_gguf_quantization_(model, gguf_file)
         if prefill_copies:
             add_prefill_copies_(model, max_bytes=prefill_copy_bytes)
         return model

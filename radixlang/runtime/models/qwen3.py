@@ -10,6 +10,7 @@ class Qwen3Attention(Attention):
 
 class Qwen3DecoderLayer(DecoderLayer):
     attention_cls = Qwen3Attention
+    fused_decode = True  # the fused decode step computes the q/k norms too
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

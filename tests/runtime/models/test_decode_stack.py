@@ -1,4 +1,4 @@
-"""The fused decode step (models/decode_stack.py) gives the layer-by-layer path's tokens and logprobs.
+"""The fused decode step (model_executor/decode_stack.py) gives the layer-by-layer path's tokens and logprobs.
 
 Each family runs the same requests twice in one Engine, with the fused step and with it switched off:
 batch 1 and 2 (int8 activations), batch 5 (float32 activations), and again over a cached prefix; the same
@@ -10,7 +10,7 @@ import pytest
 from tiny_model import FAMILIES, save_tiny_hf_model
 
 from radixlang.kernels.cpu import decode_stack as ds
-from radixlang.runtime.models.decode_stack import why_not
+from radixlang.runtime.model_executor.decode_stack import why_not
 
 pytestmark = pytest.mark.skipif(not ds.available(), reason="the fused decode step's library did not build here")
 
@@ -48,23 +48,24 @@ def test_fused_decode_matches_layer_by_layer(family_dir, codes):
     from radixlang import Engine
     from radixlang.runtime.models.gguf_quant import QuantLinear
     with Engine(model_path=family_dir, quantization="int4", max_total_tokens=4096) as engine:
-        model = engine.scheduler.runner.model
+        runner = engine.scheduler.runner
+        model = runner.model
         batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS]
         if codes == "q8":  # Q8_0 / Q5_K / Q6_K files' layout, on the same numbers as the q4 run first
             as_q4 = [_run(engine, b) for b in batches]
             for m in model.modules():
                 if isinstance(m, QuantLinear):
                     m.weight_q = _as_q8(m.weight_q)
-            model.decode_stack._pool = None  # its layer structs point at the weights they were made from
+            runner.decode_stack._pool = None  # its layer structs point at the weights they were made from
             engine.flush_cache()
-        stack = model.decode_stack
+        stack = runner.decode_stack
         assert stack is not None, why_not(model)
         calls = []
         forward = stack.forward
         stack.forward = lambda *a: calls.append(1) or forward(*a)
         fused = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]  # the last over cached prefixes
         assert len(calls) >= 4 * (GREEDY["max_new_tokens"] - 1)  # every decode step took the fused call
-        model.decode_stack = None
+        runner.decode_stack = None
         engine.flush_cache()
         plain = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]
         engine.check_memory_leak()
@@ -84,8 +85,9 @@ def test_fused_decode_refuses_what_it_cannot_run(family, reason, tmp_path):
     arch, overrides = FAMILIES[family]
     folder = save_tiny_hf_model(str(tmp_path), arch, seed=5, **overrides)
     with Engine(model_path=folder, quantization="int4", max_total_tokens=1024) as engine:
-        model = engine.scheduler.runner.model
-        assert model.decode_stack is None
+        runner = engine.scheduler.runner
+        model = runner.model
+        assert runner.decode_stack is None
         assert reason in why_not(model)
         out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
         assert out["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
@@ -97,16 +99,17 @@ def test_fused_decode_on_float32_weights(family_dir):
     whose small-row matmul is the C kernel, with the layer-by-layer path's tokens and logprobs; other row
     counts (here 5, and 3 once calibration picked another kernel for it) run layer by layer."""
     from radixlang import Engine
-    from radixlang.runtime.models.decode_stack import DecodeStack
+    from radixlang.runtime.model_executor.decode_stack import DecodeStack
     from radixlang.runtime.models.packed import PackedLinear
     with Engine(model_path=family_dir, dtype="float32", max_total_tokens=4096) as engine:
-        model = engine.scheduler.runner.model
+        runner = engine.scheduler.runner
+        model = runner.model
         packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not model.lm_head]
         assert packed and all(m.plain is not None for m in packed)
         for m in packed:  # as calibration would leave them where the C kernel wins (it is skipped on tiny models)
             m.small_kernels = ["c"] * len(m.small_kernels)
         packed[0].small_kernels[3] = "aten"  # one linear calibrated faster elsewhere at 3 rows
-        model.decode_stack = stack = DecodeStack.build(model)
+        runner.decode_stack = stack = DecodeStack.build(model)
         assert stack is not None and stack.float32 and stack.rows == {1, 2, 4}, why_not(model)
         taken = []
         forward = stack.forward
@@ -120,7 +123,7 @@ def test_fused_decode_on_float32_weights(family_dir):
         fused = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]  # the last over cached prefixes
         assert {(1, True), (2, True), (3, False), (5, False)} <= set(taken)
         assert sum(ok for _, ok in taken) >= 3 * (GREEDY["max_new_tokens"] - 1)
-        model.decode_stack = None
+        runner.decode_stack = None
         engine.flush_cache()
         plain = [_run(engine, b) for b in batches] + [_run(engine, PROMPTS[:2])]
         engine.check_memory_leak()
@@ -138,8 +141,9 @@ def test_fused_decode_needs_quantized_or_packed_linears(tiny_model_dir):
     from radixlang import Engine
     with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=1024,
                 disable_weight_packing=True) as engine:
-        model = engine.scheduler.runner.model
-        assert model.decode_stack is None
+        runner = engine.scheduler.runner
+        model = runner.model
+        assert runner.decode_stack is None
         assert "not quantized or packed float32" in why_not(model)
 
 
@@ -155,8 +159,9 @@ def test_fused_step_takes_speculative_verifies(tmp_path):
     prompts = [[11, 12, 13, 14, 15, 16, 17, 18] * 4, list(range(40, 60)) * 2]
     with Engine(model_path=folder, quantization="int4", max_total_tokens=4096, speculative_algorithm="ngram",
                 speculative_num_draft_tokens=3) as engine:
-        model = engine.scheduler.runner.model
-        stack = model.decode_stack
+        runner = engine.scheduler.runner
+        model = runner.model
+        stack = runner.decode_stack
         assert stack is not None, why_not(model)
         taken = []
         forward = stack.forward
@@ -168,7 +173,7 @@ def test_fused_step_takes_speculative_verifies(tmp_path):
         stack.forward = counted
         fused = _run(engine, prompts) + _run(engine, prompts[:1])
         assert (ForwardMode.EXTEND, True) in taken  # the verifies ran fused
-        model.decode_stack = None
+        runner.decode_stack = None
         engine.flush_cache()
         plain = _run(engine, prompts) + _run(engine, prompts[:1])
     for (ft, fl), (pt, pl) in zip(fused, plain):
@@ -189,8 +194,9 @@ def test_fused_decode_reads_window_layers_through_the_swa_map(tmp_path):
     with Engine(model_path=folder, quantization="int4", max_total_tokens=1024, chunked_prefill_size=16,
                 swa_full_tokens_ratio=0.05) as engine:
         assert isinstance(engine.scheduler.kv_pool, SWATokenToKVPool)
-        model = engine.scheduler.runner.model
-        stack = model.decode_stack
+        runner = engine.scheduler.runner
+        model = runner.model
+        stack = runner.decode_stack
         assert stack is not None, why_not(model)
         calls = []
         forward = stack.forward
@@ -198,7 +204,7 @@ def test_fused_decode_reads_window_layers_through_the_swa_map(tmp_path):
         runs = [engine.generate(input_ids=PROMPTS[:k], sampling_params=long, return_logprob=True) for k in (1, 2)]
         fused = [[o["meta_info"]["output_token_logprobs"] for o in r] for r in runs]
         assert len(calls) >= 2 * 47
-        model.decode_stack = None
+        runner.decode_stack = None
         engine.flush_cache()
         runs = [engine.generate(input_ids=PROMPTS[:k], sampling_params=long, return_logprob=True) for k in (1, 2)]
         plain = [[o["meta_info"]["output_token_logprobs"] for o in r] for r in runs]

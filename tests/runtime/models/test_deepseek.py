@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.loader.model_loader import load_model
 from test_model_families import NEW_TOKENS, PROMPTS, _hf_greedy, _hf_logprobs, _input_logprobs, _tokens
 from test_models import _run_ours
 from tiny_model import MLA_FAMILIES as FAMILIES

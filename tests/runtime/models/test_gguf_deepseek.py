@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from radixlang.runtime.models.gguf_weights import hf_tensor_name
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.loader.gguf_weights import hf_tensor_name
+from radixlang.runtime.models.loader.model_loader import load_model
 from test_deepseek import FAMILIES
 from test_gguf_families import _greedy, add_smollm_tokenizer
 from test_model_families import NEW_TOKENS, PROMPTS, _hf_greedy, _hf_logprobs
@@ -171,8 +171,9 @@ def test_deepseek_gguf_refusals_name_what_is_missing(tmp_path, monkeypatch):
     """A k_b without its v_b, and yarn on an architecture other than deepseek2, are named."""
     import gguf
 
-    from radixlang.runtime.models.gguf_convert import ensure_converted
-    from radixlang.runtime.models.gguf_weights import gguf_weights
+    from radixlang.runtime.models.loader.gguf_convert import ensure_converted
+    from radixlang.runtime.models.loader.gguf_file import read_gguf
+    from radixlang.runtime.models.loader.gguf_weights import gguf_weights
     private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "half.gguf")
     w = gguf.GGUFWriter(path, "deepseek2")
@@ -183,7 +184,7 @@ def test_deepseek_gguf_refusals_name_what_is_missing(tmp_path, monkeypatch):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match=r"blk\.0\.attn_k_b\.weight has no blk\.0\.attn_v_b\.weight"):
-        list(gguf_weights(path))
+        list(gguf_weights(read_gguf(path)))
     path = str(tmp_path / "yarn.gguf")
     w = gguf.GGUFWriter(path, "qwen2")
     w.add_block_count(1)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.gguf_weights import hf_tensor_name
-from radixlang.runtime.models.loader import default_model_path, load_model
+from radixlang.runtime.models.loader.gguf_weights import hf_tensor_name
+from radixlang.runtime.models.loader.model_loader import default_model_path, load_model
 from test_model_families import PROMPTS, _hf_logprobs
 from test_models import _run_ours
 from tiny_model import FAMILIES, private_cache, save_tiny_hf_model
@@ -299,7 +299,7 @@ def test_gguf_weights_are_read_one_tensor_at_a_time_from_the_file(tmp_path, monk
     float32 model. Stacked experts are read one expert at a time."""
     import weakref
 
-    from radixlang.runtime.models import gguf_weights
+    from radixlang.runtime.models.loader import gguf_weights
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2MoeForCausalLM", seed=3,
                                 **MORE_FAMILIES["qwen2_moe"][3])
     private_cache(tmp_path / "cache", monkeypatch)
@@ -330,7 +330,7 @@ def test_gguf_weights_are_read_one_tensor_at_a_time_from_the_file(tmp_path, monk
 def test_a_cached_folder_of_the_earlier_design_is_not_used(tmp_path, monkeypatch):
     """Folders of the float32-safetensors design have another key: a start writes its own folder and
     never reads theirs; a converted folder passed as the model path reads its GGUF file."""
-    from radixlang.runtime.models.gguf_convert import converted_dir_for
+    from radixlang.runtime.models.loader.gguf_convert import converted_dir_for
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "Qwen2ForCausalLM", seed=3)
     private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "tiny.gguf")
@@ -388,6 +388,38 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
     b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
     assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3
+
+
+def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
+    """A runner's start on a quantized GGUF (its config folder cached by an earlier start) opens the file
+    once: the same parsed header serves the blocks' plan, the float tensors' stream and the blocks."""
+    import builtins
+
+    from radixlang.runtime.model_executor.model_runner import ModelRunner
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.loader.gguf_convert import ensure_converted
+    from radixlang.runtime.server_args import ServerArgs
+
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=7)
+    private_cache(tmp_path / "cache", monkeypatch)
+    path = str(tmp_path / "q.gguf")
+    t = __import__("gguf").GGMLQuantizationType
+    _write_gguf(folder, path, "llama", quant={"attn_q": t.Q8_0, "attn_k": t.Q8_0, "attn_v": t.Q8_0,
+                                              "attn_output": t.Q8_0, "ffn_down": t.Q4_0})
+    ensure_converted(path)  # the first start's conversion (transformers reads the tokenizer from the file)
+    args = ServerArgs(model_path=path, device="cpu", quantization="gguf", max_total_tokens=256).resolve()
+    opened, real_open = [], builtins.open
+
+    def counting(file, *a, **kw):
+        if isinstance(file, (str, os.PathLike)) and os.path.realpath(file) == os.path.realpath(path):
+            opened.append(file)
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    runner = ModelRunner(args)
+    monkeypatch.undo()
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert len(opened) == 1, opened
 
 
 @pytest.mark.e2e

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.gguf_convert import converted_dir_for
-from radixlang.runtime.models.gguf_weights import _unpermute
-from radixlang.runtime.models.loader import default_model_path, load_model, resolve_model_dir
+from radixlang.runtime.models.loader.gguf_convert import converted_dir_for
+from radixlang.runtime.models.loader.gguf_weights import _unpermute
+from radixlang.runtime.models.loader.model_loader import default_model_path, load_model, resolve_model_dir
 from test_models import _run_ours
 from tiny_model import make_tiny_model_dir, make_tiny_safetensors_dir, smollm_hf_model
 
@@ -188,14 +188,14 @@ def test_hub_id_resolves_from_local_cache(tmp_path):
         os.symlink(os.path.relpath(blob, snap), snap / name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    code = ("from radixlang.runtime.models.loader import load_model; m = load_model('tiny-org/tiny-llama'); "
-            "print(m.model_path); print(type(m.model).__name__)")
+    code = ("from radixlang.runtime.models.loader.model_loader import load_model; "
+            "m = load_model('tiny-org/tiny-llama'); print(m.model_path); print(type(m.model).__name__)")
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["tiny-org/tiny-llama", "LlamaForCausalLM"]
-    code_missing = "from radixlang.runtime.models.loader import load_model; load_model('tiny-org/absent')"
+    code_missing = "from radixlang.runtime.models.loader.model_loader import load_model; load_model('tiny-org/absent')"
     out = subprocess.run([sys.executable, "-c", code_missing], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "'tiny-org/absent' is neither a local path nor in the Hugging Face cache" in out.stderr
@@ -205,7 +205,7 @@ def test_loader_import_leaves_hub_offline_unset():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    code = "import os, radixlang.runtime.models.loader; print(os.environ.get('HF_HUB_OFFLINE'))"
+    code = "import os, radixlang.runtime.models.loader.model_loader; print(os.environ.get('HF_HUB_OFFLINE'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "None", out.stderr[-2000:]
 

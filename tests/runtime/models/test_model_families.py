@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.loader.model_loader import load_model
 from test_models import _run_ours
 from tiny_model import FAMILIES, WINDOW, save_tiny_hf_model
 

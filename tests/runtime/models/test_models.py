@@ -12,7 +12,7 @@ from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.loader.model_loader import load_model
 from tiny_model import make_tiny_model_dir, smollm_hf_model
 
 

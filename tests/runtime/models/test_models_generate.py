@@ -9,7 +9,7 @@ from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.models.llama import LlamaForCausalLM
-from radixlang.runtime.models.loader import load_model
+from radixlang.runtime.models.loader.model_loader import load_model
 from tiny_model import smollm_hf_model
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")

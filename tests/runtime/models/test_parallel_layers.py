@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from radixlang.runtime.models.llama import LlamaForCausalLM, check_tensor_parallel
-from radixlang.runtime.models.loader import random_weights
+from radixlang.runtime.models.loader.model_loader import random_weights
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                                kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab)
 from test_models import _run_ours
@@ -133,7 +133,7 @@ def test_check_tensor_parallel_names_the_heads(tmp_path):
 def test_sharded_deepseek_matches_single_rank(tmp_path, name):
     """MLA split by heads (q_b / kv_b rows, o_proj columns; the latent replicated), routed and shared
     experts and the dense first layer split by intermediate features: two ranks give one rank's logits."""
-    from radixlang.runtime.models.loader import load_model
+    from radixlang.runtime.models.loader.model_loader import load_model
     arch, overrides = MLA_FAMILIES[name]
     folder = save_tiny_hf_model(str(tmp_path / name), arch, seed=3, **overrides)
     ids = [5, 17, 300, 4000, 12, 49000, 7]

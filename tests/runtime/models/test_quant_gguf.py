@@ -53,7 +53,7 @@ def test_decoded_blocks_match_the_gguf_dequantizer(kind):
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
-    from radixlang.runtime.models.gguf_convert import ensure_converted
+    from radixlang.runtime.models.loader.gguf_convert import ensure_converted
 
     path = tmp_path / "bad.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -88,7 +88,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
 def test_engine_quantized_matches_the_dequantized_file(caplog):
     from radixlang import Engine
     from radixlang.runtime.models.gguf_quant import QuantLinear
-    from radixlang.runtime.models.loader import default_model_path
+    from radixlang.runtime.models.loader.model_loader import default_model_path
 
     path = default_model_path()
     greedy = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixlang.runtime.models.layers.rotary import rope_context_length
-from radixlang.runtime.models.loader import read_config
+from radixlang.runtime.models.loader.model_loader import read_config
 from tiny_model import save_tiny_hf_model
 
 MAX_POS, FACTOR = 16, 2.0

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from radixlang.runtime.models.gguf_file import GGUFFile, read_gguf
-from radixlang.runtime.models.gguf_weights import (
+from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
+from radixlang.runtime.models.loader.gguf_weights import (
     CONFIG_TENSORS, DEEPSEEK_V3, MIXTRAL, GGUFArch, check_readable, dequantize_tensor, file_arch, hf_shape,
 )
 
@@ -43,15 +43,17 @@ def converted_dir_for(gguf_path: str) -> Path:
     return cache_root() / f"{Path(gguf_path).stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
 
 
-def ensure_converted(gguf_path: str) -> str:
-    """Return the HF folder (config and tokenizer) of the GGUF file, writing it once."""
+def ensure_converted(gguf_path: str, *, gguf_file: GGUFFile | None = None) -> str:
+    """Return the HF folder (config and tokenizer) of the GGUF file, writing it once. ``gguf_file``: the
+    file's header as the caller already read it (a start parses it once), else it is read here when the
+    folder has to be written."""
     out = converted_dir_for(gguf_path)
     if (out / "complete").exists():
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
-        _convert(gguf_path, tmp)
+        _convert(gguf_path, tmp, gguf_file if gguf_file is not None else read_gguf(gguf_path))
         (tmp / "complete").write_text("ok")
         try:
             os.rename(tmp, out)
@@ -294,10 +296,9 @@ def eos_token_ids(fields: dict[str, Any], tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _convert(gguf_path: str, out: Path) -> None:
+def _convert(gguf_path: str, out: Path, gguf_file: GGUFFile) -> None:
     from transformers import AutoConfig
 
-    gguf_file = read_gguf(gguf_path)
     arch, spec = file_arch(gguf_file.fields)
     check_readable(gguf_file.tensors)  # refuse an unreadable tensor type now, not halfway through a load
     meta = _Meta(gguf_file, arch, spec)

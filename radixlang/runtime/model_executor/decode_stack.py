@@ -8,12 +8,14 @@ Python, and so does every step it does not take (prefill, more than ``KERNEL_MAX
 backend other than the CPU kernels'), which the layers run as before.
 
 It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms, q/k/v biases
-and a sliding window per layer) on QuantLinear weights, with the compiled norms and rotary, and no
+and a sliding window per layer: the layer classes that declare ``fused_decode``, models/llama.py) on
+QuantLinear weights, with the compiled norms and rotary, and no
 soft-capping or sinks: Llama, SmolLM, Mistral, Qwen2, Qwen3 served from a quantized GGUF or with
 ``--quantization int4``; and on float32 PackedLinears with their row-major copy (the default
 float32 CPU path) for the 1-4 row steps whose small-row matmul is the C kernel (``float32_rows``: the
 step calls that kernel; where calibration picked another, those steps run layer by layer). ``build`` says
-why not otherwise (logged once at load).
+why not otherwise (logged once at load). The runner owns the stack and offers it every step before the
+model's own forward (model_runner.run_step); the model only declares which of its layers the step computes.
 """
 from __future__ import annotations
 
@@ -34,20 +36,16 @@ logger = logging.getLogger(__name__)
 
 def why_not(model: Any) -> str | None:
     """None where the fused step can serve ``model``, else the first reason it cannot."""
-    from radixlang.runtime.models.llama import MLP, Attention, DecoderLayer
-
     if not ds.available():
         return "its library did not build here"
-    if getattr(model, "tp", None) is not None:
+    if model.tp is not None:
         return "tensor parallelism"
-    if not getattr(model, "cpu_kernels", False) or getattr(model, "num_rope_tables", 1) != 1:
+    if not model.cpu_kernels or model.num_rope_tables != 1:
         return "the compiled norms and rotary are off, or layers use several rotary tables"
     shapes, scales, qk_norms, kinds = set(), set(), set(), set()
-    for i, layer in enumerate(getattr(model, "layers", [])):
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer).forward is not DecoderLayer.forward
-                or type(layer)._after_attention is not DecoderLayer._after_attention
-                or type(attn).attend is not Attention.attend or type(mlp).forward is not MLP.forward):
+        if not layer.fused_decode:
             return f"layer {i} is not the plain Llama layer ({type(layer).__name__})"
         if attn.logit_softcap or attn.sinks is not None:
             return f"layer {i} has soft-capping or sinks"

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import torch
 
-from radixlang.runtime.models.gguf_file import GGUFFile, TensorInfo, read_gguf
+from radixlang.runtime.models.loader.gguf_file import GGUFFile, TensorInfo
 
 _LAYER_MAP = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -302,11 +302,12 @@ def _pair(by_name: dict[str, Any], layer: str) -> Any:
     return v_b
 
 
-def gguf_weights(path: str, *, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight of a GGUF file, read one at a time: only the tensor
-    being copied is ever dequantized in memory. Names ``skip`` accepts (parameters a quantized model
-    replaces without loading) come as meta tensors of their shape, never read."""
-    for piece in _pieces(read_gguf(path)):
+def gguf_weights(gguf_file: GGUFFile, *, skip: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight of a GGUF file (its header read by ``read_gguf``), read
+    one at a time: only the tensor being copied is ever dequantized in memory. Names ``skip`` accepts
+    (parameters a quantized model replaces without loading) come as meta tensors of their shape, never read."""
+    for piece in _pieces(gguf_file):
         if skip is not None and skip(piece.name):
             yield piece.name, torch.empty(piece.shape, device="meta")
         else:

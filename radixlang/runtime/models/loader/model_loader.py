@@ -4,7 +4,11 @@ the model's parameters (built on the meta device, then given storage in their fi
 so loading never holds a float32 or second copy of the model on the host: safetensors from their
 memory-mapped files (sharded checkpoints are the shards ``model.safetensors.index.json`` lists), a GGUF
 file's tensors dequantized one at a time from the file itself (gguf_weights.py), through a small cached
-folder of its config and tokenizer (gguf_convert.py)."""
+folder of its config and tokenizer (gguf_convert.py).
+
+A start opens its checkpoint once (``open_checkpoint``): a GGUF file's header is parsed there, and that
+one ``GGUFFile`` (a memory map of the file) serves the config folder's conversion when it is not cached
+yet, the quantized linears' plan and blocks (gguf_quant.py) and the tensor stream."""
 from __future__ import annotations
 
 import glob
@@ -18,8 +22,9 @@ import torch
 
 from torch import nn
 
-from radixlang.runtime.models.gguf_convert import ensure_converted, gguf_of_folder
-from radixlang.runtime.models.gguf_weights import gguf_weights
+from radixlang.runtime.models.loader.gguf_convert import ensure_converted, gguf_of_folder
+from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
+from radixlang.runtime.models.loader.gguf_weights import gguf_weights
 from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, expert_param_name
 from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
@@ -31,6 +36,13 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHS = frozenset(MODEL_CLASSES)
 # what a model folder needs from a hub repo (not the .bin / .pth / .gguf duplicates some repos carry)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+class Checkpoint(NamedTuple):
+    """Where a model's config, tokenizer and weights are: a HF folder (a GGUF file's is its cached config
+    and tokenizer), and the GGUF file its weights are read from, header parsed once, or None."""
+    folder: str
+    gguf: GGUFFile | None
 
 
 class LoadedModel(NamedTuple):
@@ -116,16 +128,38 @@ def read_config(folder: str) -> Any:
     return config
 
 
+def open_checkpoint(model_path: str | None, load_format: str = "auto") -> Checkpoint:
+    """Find the model's folder and, for a GGUF checkpoint, parse the file's header: the one read of it a
+    start makes (the folder's conversion, when not cached, reads the same parse)."""
+    gguf_path = gguf_source(model_path, load_format)
+    if gguf_path is not None:
+        gguf_file = read_gguf(gguf_path)
+        return Checkpoint(ensure_converted(gguf_path, gguf_file=gguf_file), gguf_file)
+    folder = resolve_model_dir(model_path, load_format)
+    # a converted folder passed as the model stands for its GGUF file
+    source = gguf_of_folder(folder) if load_format != "dummy" else None
+    return Checkpoint(folder, None if source is None else read_gguf(source))
+
+
 def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
                device: str = "cpu", seed: int = 0, tokenizer_path: str | None = None,
-               tp: TPComm | None = None, deferred: Callable[[nn.Module], set[str]] | None = None) -> LoadedModel:
-    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer.
+               tp: TPComm | None = None) -> LoadedModel:
+    """Build the model (this rank's slice of it under ``tp``) and load its weights and tokenizer."""
+    return load_checkpoint(open_checkpoint(model_path, load_format), model_path=model_path,
+                           load_format=load_format, dtype=dtype, device=device, seed=seed,
+                           tokenizer_path=tokenizer_path, tp=tp)
 
-    ``deferred(model)`` names parameters to leave unloaded (on the meta device), because the caller
-    replaces their modules right after (a quantized GGUF's linears)."""
+
+def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_format: str = "auto",
+                    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                    tokenizer_path: str | None = None, tp: TPComm | None = None,
+                    deferred: Callable[[nn.Module], set[str]] | None = None) -> LoadedModel:
+    """``load_model`` of a checkpoint already opened. ``deferred(model)`` names parameters to leave
+    unloaded (on the meta device), because the caller replaces their modules right after (a quantized
+    GGUF's linears)."""
     from transformers import AutoTokenizer
 
-    folder = resolve_model_dir(model_path, load_format)
+    folder = checkpoint.folder
     config = read_config(folder)
     # every EOS id ends a reply: generation_config.json often lists more than config.json (Llama 3, Gemma 3)
     config.eos_token_id = merged_eos_ids(config.eos_token_id, folder)
@@ -135,22 +169,14 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
         model.deferred_params = frozenset(deferred(model))
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
-    else:
-        skip = _deferred_filter(model.deferred_params, model.checkpoint_name)
-        model.load_weights(checkpoint_weights(folder, skip=skip))
+    elif checkpoint.gguf is not None:
+        model.load_weights(gguf_weights(checkpoint.gguf,
+                                        skip=_deferred_filter(model.deferred_params, model.checkpoint_name)))
+    else:  # safetensors are memory-mapped: a deferred parameter's tensor costs nothing until copied
+        model.load_weights(_iter_safetensors(checkpoint_files(folder)))
     tok_dir = tokenizer_path or folder
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir)
-
-
-def checkpoint_weights(folder: str, *, skip: Callable[[str], bool] | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) one at a time: the GGUF file a converted folder stands for, else the folder's
-    safetensors. ``skip``: names not to read (GGUF only; safetensors are memory-mapped, reading is cheap)."""
-    gguf_path = gguf_of_folder(folder)
-    if gguf_path is not None:
-        return gguf_weights(gguf_path, skip=skip)
-    return _iter_safetensors(checkpoint_files(folder))
 
 
 # checkpoint pieces that load into one fused parameter (as LlamaForCausalLM.load_weights fuses them)
