@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         log.error("%s", e)
         code = 1
     # children reaped and the socket folder removed: skip the interpreter's teardown (torch, zmq,
-    # multiprocessing), which took over a second and could only hang a stopping server
+    # multiprocessing), which is slow (docs/serving.md) and could only hang a stopping server
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -112,7 +112,8 @@ class ReasoningGrammar:
 
     def _advance(self, data: bytes) -> bool:
         """Walk reasoning bytes; past the marker's end the rest goes to the inner grammar (all or nothing)."""
-        assert self.matched is not None
+        if self.matched is None:
+            raise RuntimeError("_advance walks the reasoning marker; the reasoning part has already ended")
         k, end = self.matched, len(self.masks.marker)
         for i, byte in enumerate(data):
             k = self.masks.step(k, byte)

@@ -38,7 +38,8 @@ def decode_token(token: str, style: TokenStyle, byte_map: dict[str, int] | None 
     if style == "raw":
         return token.encode("utf-8")
     if style == "byte_level":
-        assert byte_map is not None
+        if byte_map is None:
+            raise ValueError("decode_token needs byte_map for the byte_level style, got None")
         try:
             return bytes(byte_map[c] for c in token)
         except KeyError:

@@ -51,6 +51,12 @@ def _common_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _require(holds: bool, broken: str) -> None:
+    """check_integrity's checks: an explicit raise, which ``python -O`` keeps where it strips asserts."""
+    if not holds:
+        raise RuntimeError(f"radix tree invariant broken: {broken}")
+
+
 class RadixCache:
     def __init__(self, page_size: int = 1) -> None:
         if page_size < 1:
@@ -180,7 +186,8 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         delta = 0
         while node is not None and node.parent is not None:
-            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
+            if node.lock_ref <= 0:
+                raise RuntimeError("unbalanced dec_lock_ref: a node on the path holds no lock")
             if node.lock_ref == 1:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
@@ -235,17 +242,17 @@ class RadixCache:
     def check_integrity(self) -> None:
         evictable = protected = 0
         for node in self._nodes():
-            assert node.key and len(node.key) == int(node.value.numel()), "key/value length mismatch"
-            assert node.parent.children.get(self._child_key(node.key)) is node, "child stored under a wrong key"
-            assert node.lock_ref >= 0
+            _require(bool(node.key) and len(node.key) == int(node.value.numel()), "key/value length mismatch")
+            _require(node.parent.children.get(self._child_key(node.key)) is node, "child stored under a wrong key")
+            _require(node.lock_ref >= 0, "a negative lock_ref")
             for child in node.children.values():
-                assert child.lock_ref <= node.lock_ref, "a locked node's ancestors must be locked"
+                _require(child.lock_ref <= node.lock_ref, "a locked node's ancestors must be locked")
             if node.lock_ref > 0:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
-        assert evictable == self._evictable, f"evictable {self._evictable} != counted {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != counted {protected}"
+        _require(evictable == self._evictable, f"evictable {self._evictable} != counted {evictable}")
+        _require(protected == self._protected, f"protected {self._protected} != counted {protected}")
 
     def pretty_print(self) -> str:
         lines: list[str] = []

@@ -206,7 +206,7 @@ class SWARadixCache(RadixCache):
         evictable = protected = 0
         for node in self._nodes():
             if node.swa_lock_ref > node.lock_ref:
-                raise AssertionError("a window lock outside the full lock")
+                raise RuntimeError("a window lock outside the full lock")
             if node.swa_tombstone:
                 continue
             if node.swa_lock_ref > 0:
@@ -214,8 +214,8 @@ class SWARadixCache(RadixCache):
             else:
                 evictable += len(node.key)
         if (evictable, protected) != (self._swa_evictable, self._swa_protected):
-            raise AssertionError(f"swa evictable/protected {self._swa_evictable}/{self._swa_protected} != "
-                                 f"counted {evictable}/{protected}")
+            raise RuntimeError(f"swa evictable/protected {self._swa_evictable}/{self._swa_protected} != "
+                               f"counted {evictable}/{protected}")
 
 
 def _path(node: TreeNode) -> list[TreeNode]:

@@ -5,8 +5,8 @@ Both kernels read each request's keys and values straight from the KV pool throu
 gathers a copy of every request's context first (and, for torch's flash SDPA, repeats it for each
 query head). Decode: one pass per request and kv head. Extend (prefill, chunked prefill, questions
 after a cached prefix, mixed batches): causal attention in blocks of 16 query tokens per request and
-kv head, as small register-blocked matrix products; 2-3x faster than the torch backend's flash SDPA
-and cascade paths on prefill and few-shot shapes. Head sizes the extend kernel does not take (not a
+kv head, as small register-blocked matrix products; faster than the torch backend's flash SDPA
+and cascade paths on prefill and few-shot shapes (docs/cpu.md). Head sizes the extend kernel does not take (not a
 multiple of 64) run the torch backend's extend. The new tokens' k/v are written with one copy per
 token. The default on the CPU whenever the kernels build here; ``attention_backend="torch"`` is the
 pure-PyTorch reference. Both kernels take a layer's sliding window, logit soft-capping and attention

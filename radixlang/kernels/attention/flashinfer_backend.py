@@ -50,9 +50,9 @@ def pick_wrapper_backends(name: str, capability: tuple[int, int]) -> WrapperBack
     """Each wrapper's kernels for ``--flashinfer-backend`` ``name`` on a GPU of compute ``capability``.
 
     "auto" does what SGLang does: the ragged prefill on fa3 on Hopper (sm90), fa2 elsewhere; the paged
-    prefix prefill and decode on fa2 everywhere, because FlashInfer's fa3 paged prefill runs ~2.5x
-    slower than fa2 on Hopper (FlashInfer issue #2400). "fa2" / "fa3" put both prefill wrappers on that
-    family (fa3 needs sm90). Decode is always fa2."""
+    prefix prefill and decode on fa2 everywhere, because FlashInfer's fa3 paged prefill runs slower
+    than fa2 on Hopper (FlashInfer issue #2400; docs/serving.md). "fa2" / "fa3" put both prefill
+    wrappers on that family (fa3 needs sm90). Decode is always fa2."""
     if name not in FLASHINFER_BACKENDS:
         raise ValueError(f"flashinfer backend must be one of {', '.join(FLASHINFER_BACKENDS)}, got {name!r}")
     if name != "auto":
@@ -188,9 +188,9 @@ class FlashInferAttnBackend(AttentionBackend):
         return pool.get_key_buffer(layer_id).unsqueeze(1), pool.get_value_buffer(layer_id).unsqueeze(1)
 
     def _check_layer(self, layer: AttentionLayerLike) -> None:
-        assert abs(layer.scaling - self.sm_scale) < 1e-6, (
-            f"the flashinfer plan uses sm_scale {self.sm_scale}, layer {layer.layer_id} wants {layer.scaling}; "
-            "pass sm_scale= to the backend")
+        if abs(layer.scaling - self.sm_scale) >= 1e-6:
+            raise ValueError(f"the flashinfer plan uses sm_scale {self.sm_scale}, layer {layer.layer_id} wants "
+                             f"{layer.scaling}; pass sm_scale= to the backend")
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:

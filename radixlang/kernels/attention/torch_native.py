@@ -5,8 +5,8 @@ hands every request of a few-shot batch, a system prompt or a fork the same slot
 part) form a group. The group gathers the shared run's k/v once and scores every query of the group
 against it in one matmul per kv head; each request gathers and scores only its own tail. One softmax
 runs over both parts, so the result is exact attention, without gathering the shared prefix once
-per request. This is what decodes (and one-token or short extends) use; at batch 32 over a
-419-token few-shot prefix it is several times faster than gathering each request's whole context.
+per request. This is what decodes (and one-token or short extends) use; on a batch behind a
+few-shot prefix it is much faster than gathering each request's whole context (docs/cpu.md).
 
 Requests that share nothing run as one padded group (decode) or, for multi-token extends, one causal
 SDPA each over prefix + new tokens; a fresh prompt attends over its own new k/v, with no gather.
@@ -227,8 +227,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 vi = v_buf.index_select(0, loc).transpose(0, 1)
             causal = mask is None and extend_len > 1
             if gqa and extend_len > 1:
-                # torch's CPU flash kernel does not take enable_gqa (the math path is ~5x slower on a
-                # 1,000-token prompt): give every query head its own copy of the kv head
+                # torch's CPU flash kernel does not take enable_gqa (the math path it would fall back
+                # to is much slower on long prompts, docs/cpu.md): give every query head its own copy
+                # of the kv head
                 rep = layer.num_heads // layer.num_kv_heads
                 ki, vi = ki.repeat_interleave(rep, dim=0), vi.repeat_interleave(rep, dim=0)
             # 4-D inputs: torch's CPU flash kernel takes only [batch, heads, len, dim]; 3-D goes to the math path
@@ -273,7 +274,8 @@ def _cascade(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: _Grou
     n, e, hq, d = q.shape
     hkv = layer.num_kv_heads
     s = g.own_loc.shape[1]
-    # index_select on the flat slots is ~3x faster on the CPU than advanced indexing with a 2-D index
+    # index_select on the flat slots gathers faster on the CPU than advanced indexing with a 2-D index
+    # (docs/cpu.md)
     kx = k_buf.index_select(0, g.own_loc.view(-1)).view(n, s, hkv, d).transpose(1, 2)  # [n, hkv, S, d]
     vx = v_buf.index_select(0, g.own_loc.view(-1)).view(n, s, hkv, d).transpose(1, 2)
     if g.shared_loc is None:  # nothing shared: one SDPA (faster than the matmuls below on small shapes)
@@ -304,10 +306,11 @@ def _cascade_flash(q: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, k_buf: t
     """Multi-token queries: two flash attentions (shared run, own tails) merged by their log-sum-exps.
 
     The single-softmax form above materializes [queries, L + S] scores several times over; for a
-    batch of few-shot questions (31 x 20 queries over a 419-token run) this is ~2x faster."""
+    batch of few-shot questions this is faster (docs/cpu.md)."""
     n, e, hq, d = q.shape
     rep = hq // layer.num_kv_heads
-    assert g.shared_loc is not None
+    if g.shared_loc is None:
+        raise RuntimeError("_cascade_flash needs a group with a shared run")
     bias = g.own_bias if g.own_bias is None or g.own_bias.dtype == q.dtype else g.own_bias.to(q.dtype)
     # the kernel takes no grouped heads: each query head gets its kv head's copy
     kx, vx = kx.repeat_interleave(rep, dim=1), vx.repeat_interleave(rep, dim=1)  # [n, hq, S, d]

@@ -111,7 +111,8 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
         md = self.metadata
-        assert md is not None, "init_forward_metadata was not called"
+        if md is None:
+            raise RuntimeError("forward_extend before init_forward_metadata")
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # [n, heads, d], [n, kv_heads, d]
@@ -124,7 +125,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerLike, forward_batch: ForwardBatchLike) -> torch.Tensor:
-        assert self._kv_indptr is not None, "init_forward_metadata was not called"
+        if self._kv_indptr is None:
+            raise RuntimeError("forward_decode before init_forward_metadata")
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q = q.contiguous()  # [bs, heads, d]

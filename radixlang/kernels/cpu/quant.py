@@ -51,7 +51,7 @@ ACTIVATIONS = {"float32": 0, "int8": 1, "int8x2": 2, "int8x3": 3}
 DEFAULT_ACTIVATIONS = "int8x3"  # the one pass of llama.cpp moves SmolLM2's greedy output (its outliers)
 INT8_MAX_ROWS = 2  # from 3 rows on, the per-row work of three passes outweighs the cheaper decoding
 # ... except on the interleaved layouts, whose int8x3 kernels ran faster than the float32 ones at every row
-# count from 1 to 16 (q4: 1.8x; SmolLM2's shapes, 2 threads, AVX512-VNNI)
+# count from 1 to 16 (docs/cpu.md, "16 output features a vector")
 INTERLEAVED_INT8_MAX_ROWS = 16
 LAYOUTS = ("q4", "q8", "q4x16", "q8x16")
 
@@ -237,7 +237,8 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
     threads = torch.get_num_threads()
     if activations != "float32":
         vl, passes = _vnni_library(), ACTIVATIONS[activations]
-        assert vl is not None
+        if vl is None:  # int8_fits said the VNNI kernels run here
+            raise RuntimeError(f"no VNNI kernel library for {activations} activations")
         offsets = w.offsets.data_ptr() if w.has_offsets else None
         args = (w.codes.data_ptr(), w.scales.data_ptr(), offsets, b, y.data_ptr(), w.out_features, passes, threads)
         if w.layout == "q4x16":

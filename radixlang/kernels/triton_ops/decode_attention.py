@@ -123,7 +123,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         raise ValueError(f"num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}")
     if bs == 0:
         return out
-    assert q.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1 and out.stride(-1) == 1
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s head_dim axis must be contiguous, got stride {t.stride(-1)}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     group = num_heads // num_kv_heads
     blocks_per_kv_head = triton.cdiv(group, _BLOCK_H)

@@ -112,8 +112,9 @@ def extend_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     bs = qo_indptr.shape[0] - 1
     if bs == 0 or num_tokens == 0:
         return out
-    for t in (q, k, v, out, k_buffer, v_buffer):
-        assert t.stride(-1) == 1, "the head_dim axis must be contiguous"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s head_dim axis must be contiguous, got stride {t.stride(-1)}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](

@@ -67,7 +67,8 @@ class Runtime(Backend):
         import httpx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self._proc is not None
+            if self._proc is None:
+                raise RuntimeError("no server process to wait for")
             if self._proc.poll() is not None:
                 raise RuntimeError(f"the server exited with code {self._proc.returncode} before becoming "
                                    f"healthy; its stderr:\n{self._stderr_tail()}")

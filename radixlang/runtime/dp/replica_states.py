@@ -12,7 +12,8 @@ _SHARED_KEYS = frozenset({"context_length", "vocab_size", "kv_bytes_per_token"})
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state for all replicas: counts and KV sizes summed, histograms added bucket by bucket."""
-    assert states, "no replica states to merge"
+    if not states:
+        raise ValueError("merge_states needs at least one replica state, got none")
     if len(states) == 1:
         return states[0]
     merged = _merge(states)

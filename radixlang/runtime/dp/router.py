@@ -127,7 +127,10 @@ class ApproxTree:
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut ``child``'s key after n ids; returns the new upper node."""
         parent = child.parent
-        assert parent is not None and 0 < n < len(child.key)
+        if parent is None:
+            raise RuntimeError("cannot split a node that is no longer in the tree")
+        if not 0 < n < len(child.key):
+            raise RuntimeError(f"split point {n} must lie inside the node's {len(child.key)} ids")
         upper = _Node(child.key[:n], parent)
         upper.last_access = child.last_access
         self._num_nodes += 1

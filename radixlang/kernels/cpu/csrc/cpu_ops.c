@@ -281,10 +281,9 @@ static inline __attribute__((always_inline)) void row_dots(const float *wo, cons
  * row-major [n, k] layout and is read once, row after row (one sequential stream per thread, which
  * the hardware prefetcher keeps ahead of); each weight row, in L1 once read, is scored against the
  * rows of x up to four at a time, each 16-float chunk of the weight loaded once for all of them.
- * At batch 1 this reads the weights near memory bandwidth. Measured over SmolLM2's linears against
- * oneDNN's packed matmul: 1 row 21 vs 34 ms, 2 rows 18-22 vs 35-40, 3 rows 22-24 vs 31-32, 4 rows
- * 30-32 vs 32-33, 5 rows 30-38 vs 33. (Interleaving four weight rows per block, or four
- * accumulators along k at one row, both ran slower.) */
+ * At batch 1 this reads the weights near memory bandwidth: over SmolLM2's linears it beat oneDNN's
+ * packed matmul at 1-3 rows and matched it at 4-5 (docs/cpu.md has the figures). (Interleaving four
+ * weight rows per block, or four accumulators along k at one row, both ran slower.) */
 void rl_linear(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n * k >= PAR_MIN)
@@ -319,8 +318,8 @@ void rl_linear(const float *x, const float *w, const float *bias, float *y, int6
  * block can see as a small matrix product, 8 rows x 32 keys
  * per register block; an exact softmax per row; then P @ V with values read straight from the pool,
  * 6 rows x 64 dims per register block (24 accumulators: each value row loaded serves 6 rows; 4 rows
- * per block ran the whole kernel ~20% slower). torch's flash SDPA ran these shapes at ~40 GFLOPS here,
- * after gathering and repeating every request's k/v for each query head. */
+ * per block ran the whole kernel slower). torch's flash SDPA ran these shapes at a fraction of this
+ * kernel's rate, after gathering and repeating every request's k/v for each query head (docs/cpu.md). */
 #define EXT_QB 16
 
 static void ext_scores(const float *const *qr, const float *kt, int64_t nk_pad, int64_t j0, int64_t d,

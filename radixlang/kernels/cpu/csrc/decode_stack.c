@@ -1,9 +1,9 @@
 /* A whole decode step of a Llama-family decoder on quantized (or float32) weights, every layer in one call.
  *
  * At batch 1 a step of a small model is mostly fixed costs: each of the ~10 ops of a layer crossed from
- * Python into a kernel with its own checks, views and allocations, ~100 us a layer against ~150 us of
- * weight reads (SmolLM2 on a 2-core machine). Here the same kernels run back to back in C: this file is
- * compiled into one library with cpu_ops.c (norms, rotary, KV write, paged decode attention),
+ * Python into a kernel with its own checks, views and allocations, costs of the order of the layer's weight
+ * reads (SmolLM2: docs/cpu.md, "The fused decode step"). Here the same kernels run back to back in C: this
+ * file is compiled into one library with cpu_ops.c (norms, rotary, KV write, paged decode attention),
  * quant_ops.c (quantized linears on float32 activations) and quant_vnni.c (the same on int8 activations),
  * and calls their public functions in the order the Python layer does, with the same arguments, so the
  * numbers are the Python path's. Each kernel keeps its own OpenMP loop over the thread team.

@@ -36,8 +36,8 @@
 
 /* One pass holds MOE_ROWS x 32 sums in registers, as vectors of VW floats: with AVX-512, 12 rows of two zmm
  * (24 of the 32 registers); with AVX2, 4 rows of four ymm (all 16: the weights are read as FMA operands),
- * which ran 1.3x faster than 2 rows and 1.2x faster than 3 at 32 tokens (8-float vectors there: GCC
- * turned 16-float ones into stack traffic). */
+ * which ran faster than 2 or 3 rows at 32 tokens (docs/cpu.md; 8-float vectors there: GCC turned
+ * 16-float ones into stack traffic). */
 #if defined(__AVX512F__)
 #define MOE_ROWS 12
 #define VW 16

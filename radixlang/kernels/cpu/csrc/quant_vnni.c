@@ -346,8 +346,8 @@ int rl_q8_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const int8_
  *
  * The kernel above takes one output feature at a time: each 64 codes cost their unpacking, the lane
  * scales, one vpdpbusd a pass, a conversion and two float ops, and every feature ends in a horizontal
- * sum; on a 2-core machine it streamed SmolLM2's weights at ~19 GB/s, bound by those instructions rather
- * than by memory. Here the 16 lanes of a vector are 16 output features: block b (features 16 b ..
+ * sum; it streamed SmolLM2's weights well below the read bandwidth (docs/cpu.md), bound by those
+ * instructions, not by memory. Here the 16 lanes of a vector are 16 output features: block b (features 16 b ..
  * 16 b + 15) of group g (inputs 32 g .. 32 g + 31) is 256 bytes, four parts of 64: in part i, bytes
  * 4 r .. 4 r + 3 hold feature 16 b + r's codes of inputs 32 g + 8 i + j (j < 4) in their low nibbles and
  * of 32 g + 8 i + 4 + j in their high nibbles. So one unpacked vector times the broadcast 4 activation
@@ -534,9 +534,9 @@ int rl_q8x16_linear_i8(const float *x, int64_t M, int64_t K, int64_t G, const ui
 }
 
 /* A layer's quantized SwiGLU experts for the few rows of a decode step, in one call (gguf_experts.py:
- * QuantExperts). Run from Python, each expert cost two kernel calls, a SiLU call and the dispatch's
- * sort / gather / scatter ops, ~20 us an expert on top of its kernels; here the sort, the gather, SiLU
- * and the weighted sum are loops in C and the experts run on the int8 kernels above.
+ * QuantExperts). Run from Python, each expert cost two kernel calls, a SiLU call and the dispatch's sort /
+ * gather / scatter ops, a fixed cost per expert on top of its kernels (docs/cpu.md); here the sort, the
+ * gather, SiLU and the weighted sum are loops in C and the experts run on the int8 kernels above.
  *
  * w13 / w2: per expert, the addresses of its codes, scales and offsets (0: all offsets are 0), as int64
  * [E, 3]; layout: 0 q4, 1 q8, 2 q4x16, 3 q8x16 (quant.py: LAYOUTS), group: the q8 weight group. With at

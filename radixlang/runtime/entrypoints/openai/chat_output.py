@@ -82,9 +82,11 @@ class ChatOutput:
 
     def forced_tag(self, tools: list[tuple[str, Any]]) -> dict[str, Any]:
         """The structural tag forcing calls of the (name, parameters schema) ``tools`` in this choice's format."""
-        assert self.tools is not None
+        if self.tools is None:
+            raise RuntimeError("forced_tag needs a tool-call parser; this choice was built without one")
         tag = self.tools.forced_tag(tools, parallel=self.parallel)
-        assert tag is not None  # a format without JSON arguments was replaced by BareJsonParser
+        if tag is None:  # __init__ replaces a format without JSON arguments by BareJsonParser
+            raise RuntimeError(f"tool-call parser {type(self.tools).__name__} gave no structural tag for forced calls")
         return tag
 
     def auto_tag(self, tools: list[tuple[str, Any]]) -> dict[str, Any] | None:
