@@ -135,6 +135,7 @@ class SchedulerReady:
     model_path: str = ""
     tokenizer_path: str = ""
     kv_pool_size: int = 0  # KV slots in the replica's pool: the request front sizes its router tree from it
+    model_dir: str = ""  # the folder of the model's config: the front reads its sampling defaults there
 
 
 @dataclass(kw_only=True)

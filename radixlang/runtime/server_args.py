@@ -34,6 +34,9 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "the model id the OpenAI API lists and accepts (with \"default\"); "
                                              "defaults to the model's own name: a hub id, a folder's name, a "
                                              "GGUF file's stem")
+    is_embedding: bool = _f(False, "serve an embedding model: /v1/embeddings and /v1/rerank, pooled as the "
+                                   "folder's sentence-transformers config says (docs/embeddings.md); "
+                                   "generation routes are refused")
     context_length: int | None = _f(None, "max tokens per request (prompt + output); defaults to the model's")
     dtype: str = _f("auto", "model dtype; auto = float32 on CPU, bfloat16 on CUDA (on the CPU the KV pool and "
                                   "attention stay float32)",
@@ -95,6 +98,10 @@ class ServerArgs:
     # chat (OpenAI routes)
     chat_template: str | None = _f(None, "a Jinja chat template file, or a built-in one (chatml, gemma, llama-3), "
                                          "replacing the tokenizer's (a base model has none)")
+    generation_config: str = _f("auto", "where a request's unset sampling fields (temperature, top_p, top_k, min_p, "
+                                        "repetition_penalty) come from: auto (the model's generation_config.json), "
+                                        "vllm (none: the built-in defaults) or a folder holding a "
+                                        "generation_config.json")
     tool_call_parser: str = _f("auto", "tool-call format of the model's replies (auto: from the chat template's "
                                        "markers, else hermes)",
                                ("auto", "hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseekv3", "pythonic",
@@ -112,7 +119,7 @@ class ServerArgs:
     disable_cpu_kernels: bool = _f(False, "use PyTorch ops instead of radixlang's compiled CPU kernels (fused "
                                           "norms, rotary, SwiGLU; paged decode attention)")
     disable_weight_packing: bool = _f(False, "keep plain float weights on the CPU instead of packing the linears "
-                                             "into oneDNN's blocked layout (packed is ~1.5-2x faster)")
+                                             "into oneDNN's blocked layout (packed is faster: docs/cpu.md)")
     flashinfer_backend: str = _f("auto", "FlashInfer's prefill kernels (auto: the ragged prefill on fa3 on Hopper, "
                                          "fa2 elsewhere; the paged prefix prefill and decode on fa2; fa2 / fa3: "
                                          "both prefills on it)", ("auto", "fa2", "fa3"))
@@ -165,6 +172,8 @@ class ServerArgs:
         if self.chat_template is not None:
             from radixlang.runtime.tokenizer_source import check_chat_template
             check_chat_template(self.chat_template)
+        from radixlang.runtime.generation_config import check_generation_config
+        check_generation_config(self.generation_config)
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

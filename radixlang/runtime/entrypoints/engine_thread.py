@@ -2,8 +2,8 @@
 
 The thread also builds the scheduler (loads the model): torch's OpenMP threads belong to the
 thread that first runs a parallel op, and a second thread running the steps next to the team
-of the thread that loaded the weights ran oneDNN's packed matmuls ~1.6x slower (measured at
-batch-1 decode on 2 cores); one thread for both keeps one team.
+of the thread that loaded the weights ran oneDNN's packed matmuls slower (docs/cpu.md, "One
+OpenMP team per replica"); one thread for both keeps one team.
 
 Other threads never touch the scheduler: they post calls to the replica's
 inbox, which the thread runs between steps. Outputs go through the replica's
@@ -74,7 +74,7 @@ class SchedulerThread:
         sched = self.wait_built()
         return SchedulerReady(replica=self.index, pid=os.getpid(), server_args=sched.args.to_dict(),
                               model_path=sched.runner.model_path, tokenizer_path=sched.runner.tokenizer_path,
-                              kv_pool_size=sched.kv_pool.size)
+                              kv_pool_size=sched.kv_pool.size, model_dir=sched.runner.model_dir)
 
     def add_request(self, req: TokenizedGenerateReq) -> None:
         """Queue a request (returns at once); a refusal comes back through ``deliver``."""

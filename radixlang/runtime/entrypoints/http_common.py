@@ -27,6 +27,7 @@ class Front(Protocol):
     tokenizer: Any
     model_path: str
     tokenizer_path: str
+    sampling_defaults: dict[str, Any]  # the model's, for a request's unset sampling fields
     draining: bool  # shutting down: new requests get 503
 
     def is_healthy(self) -> bool: ...

@@ -83,7 +83,8 @@ def create_app(engine: Front) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
-                "is_generation": True, "chat_template": chat_template_of(engine)}
+                "is_generation": True, "chat_template": chat_template_of(engine),
+                "default_sampling_params": engine.sampling_defaults}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -32,7 +32,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from radixlang.runtime.dp.replica_states import merge_states
 from radixlang.runtime.dp.router import Router
@@ -41,6 +41,7 @@ from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
     GetInternalStateReq, SchedulerReady, TokenizedGenerateReq,
 )
+from radixlang.runtime.generation_config import sampling_defaults
 from radixlang.runtime.front.request_output import Item, RequestOutput, expand_requests, is_batched
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.server_args import ServerArgs
@@ -49,6 +50,14 @@ logger = logging.getLogger(__name__)
 
 ControlReq = FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq
 ControlOut = FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut
+_T = TypeVar("_T")
+
+
+def _expect(kind: type[_T], value: object, what: str) -> _T:
+    """``value`` as a ``kind``: a sink or a reply of another kind is a bug of the front or its transport."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what}: expected a {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 # ---- sinks: how one request's snapshots reach whoever waits on it ------------------------------
@@ -143,8 +152,7 @@ class RequestStream:
     async def __anext__(self) -> dict[str, Any]:
         if self._ended:
             raise StopAsyncIteration
-        sink = self.state.sink
-        assert isinstance(sink, LoopSink)
+        sink = _expect(LoopSink, self.state.sink, f"the sink of async stream {self.rid}")
         snap = await sink.get()
         self._ended = _finished(snap)
         return snap
@@ -170,8 +178,7 @@ class SyncStream:
     def __next__(self) -> dict[str, Any]:
         if self._ended:
             raise StopIteration
-        sink = self.state.sink
-        assert isinstance(sink, ThreadSink)
+        sink = _expect(ThreadSink, self.state.sink, f"the sink of stream {self.rid}")
         snap = sink.get()
         self._ended = _finished(snap)
         return snap
@@ -191,10 +198,13 @@ class RequestFront:
     """
 
     def __init__(self, transport: Transport, *, tokenizer: Any, server_args: ServerArgs, router: Router,
-                 name: str = "server", info_extra: dict[str, Any] | None = None) -> None:
+                 name: str = "server", info_extra: dict[str, Any] | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.transport = transport
         self.tokenizer = tokenizer
         self.server_args = server_args
+        # what a request's unset sampling fields take (runtime/generation_config.py)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.router = router
         self.num_replicas = router.num_replicas
         self.name = name
@@ -214,7 +224,8 @@ class RequestFront:
         policy = args.load_balance_method if len(readies) > 1 else "round_robin"
         router = Router(len(readies), policy=policy, max_tree_tokens=[r.kv_pool_size for r in readies])
         return cls(transport, tokenizer=tokenizer, server_args=args, router=router, name=name,
-                   info_extra=info_extra)
+                   info_extra=info_extra,
+                   sampling_defaults=sampling_defaults(args.generation_config, readies[0].model_dir))
 
     @property
     def num_pending(self) -> int:
@@ -223,7 +234,7 @@ class RequestFront:
     # ---- submitting ----------------------------------------------------------------------------------
     def expand(self, prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
                input_ids: list[int] | list[list[int]] | None) -> list[Item]:
-        return expand_requests(self.tokenizer, prompt, sampling_params, input_ids)
+        return expand_requests(self.tokenizer, prompt, sampling_params, input_ids, self.sampling_defaults)
 
     def submit(self, input_ids: list[int], text: str | None, params: SamplingParams, *, sink: Sink,
                return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
@@ -292,8 +303,7 @@ class RequestFront:
 
     @staticmethod
     def _wait(p: Pending) -> dict[str, Any]:
-        sink = p.sink
-        assert isinstance(sink, ThreadSink)
+        sink = _expect(ThreadSink, p.sink, f"the sink of request {p.rid}")
         while True:
             snap = sink.get()
             if _finished(snap):
@@ -323,8 +333,7 @@ class RequestFront:
 
     @staticmethod
     async def _await(p: Pending) -> dict[str, Any]:
-        sink = p.sink
-        assert isinstance(sink, LoopSink)
+        sink = _expect(LoopSink, p.sink, f"the sink of async request {p.rid}")
         while True:
             snap = await sink.get()
             if _finished(snap):
@@ -384,8 +393,8 @@ class RequestFront:
 
     def _flushed(self, outs: list[ControlOut]) -> bool:
         refused = []
-        for i, out in enumerate(outs):
-            assert isinstance(out, FlushCacheOut)
+        for i, reply in enumerate(outs):
+            out = _expect(FlushCacheOut, reply, f"replica {i}'s flush_cache reply")
             if out.success:
                 self.router.flush(i)  # the replica's tree is empty again: so is its approximate copy
             else:
@@ -395,10 +404,8 @@ class RequestFront:
         return not refused
 
     def _info(self, outs: list[ControlOut]) -> dict[str, Any]:
-        states = []
-        for out in outs:
-            assert isinstance(out, GetInternalStateOut)
-            states.append(out.state)
+        states = [_expect(GetInternalStateOut, out, f"replica {i}'s get_internal_state reply").state
+                  for i, out in enumerate(outs)]
         from radixlang import __version__
         return {**self.server_args.to_public_dict(), **merge_states(states), "replicas": states,
                 "num_requests_per_replica": [s["num_requests"] for s in states], "router": self.router.stats(),
@@ -407,8 +414,8 @@ class RequestFront:
     @staticmethod
     def _leaks(outs: list[ControlOut]) -> None:
         leaks = []
-        for i, out in enumerate(outs):
-            assert isinstance(out, CheckMemoryLeakOut)
+        for i, reply in enumerate(outs):
+            out = _expect(CheckMemoryLeakOut, reply, f"replica {i}'s check_memory_leak reply")
             if not out.ok:
                 leaks.append(f"replica {i}: {out.message}")
         if leaks:
@@ -445,6 +452,7 @@ class AsyncFront:
         self.tokenizer = front.tokenizer
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
+        self.sampling_defaults = front.sampling_defaults
         self.draining = False  # set on SIGTERM: the app answers new requests with 503
 
     @property

@@ -18,9 +18,11 @@ Item = tuple[list[int], "str | None", SamplingParams]  # (input_ids, prompt text
 
 
 def expand_requests(tokenizer: Any, prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
-                    input_ids: list[int] | list[list[int]] | None) -> list[Item]:
+                    input_ids: list[int] | list[list[int]] | None,
+                    defaults: dict[str, Any] | None = None) -> list[Item]:
     """One item per request the scheduler will see, its prompt tokenized and its params built and validated
-    here, once (n copies share one frozen SamplingParams); raises RequestError on a malformed call."""
+    here, once (n copies share one frozen SamplingParams), a field it leaves unset taking the model's default
+    (``defaults``: runtime/generation_config.py); raises RequestError on a malformed call."""
     if (prompt is None) == (input_ids is None):
         raise RequestError("give exactly one of prompt (text) or input_ids", "text")
     if prompt is not None:
@@ -36,9 +38,9 @@ def expand_requests(tokenizer: Any, prompt: str | list[str] | None, sampling_par
         if len(sampling_params) != len(ids):
             raise RequestError(f"sampling_params has {len(sampling_params)} entries for {len(ids)} prompts",
                                "sampling_params")
-        plist = [SamplingParams.from_dict(p) for p in sampling_params]
+        plist = [SamplingParams.from_dict({**(defaults or {}), **(p or {})}) for p in sampling_params]
     else:
-        plist = [SamplingParams.from_dict(sampling_params)] * len(ids)
+        plist = [SamplingParams.from_dict({**(defaults or {}), **(sampling_params or {})})] * len(ids)
     return [(i, t, p) for i, t, p in zip(ids, texts, plist) for _ in range(p.n)]
 
 

@@ -109,6 +109,7 @@ class ModelRunner:
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
             self.decode_stack = DecodeStack.build(self.model)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
+        self.model_dir = loaded.model_dir  # where generation_config.json is read (runtime/generation_config.py)
         self.vocab_size = int(self.hf_config.vocab_size)
         model_ctx = rope_context_length(self.hf_config)
         self.context_len = min(args.context_length or model_ctx, model_ctx)

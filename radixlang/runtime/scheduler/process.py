@@ -38,9 +38,9 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s scheduler-{replica} %(name)s] %(message)s")
     # The model is loaded and run on one worker thread, as in Engine: the same steps issued from the
-    # main thread ran about 10x slower with 2 torch threads on a busy 2-core host (measured, tiny
-    # model), and loading on one thread but stepping on another left two OpenMP teams, which ran
-    # oneDNN's packed matmuls ~1.6x slower (see entrypoints/engine_thread.py).
+    # main thread ran far slower on a busy host, and loading on one thread but stepping on another
+    # left two OpenMP teams, which slowed oneDNN's packed matmuls (see entrypoints/engine_thread.py;
+    # the figures: docs/cpu.md, "One OpenMP team per replica").
     failed: list[BaseException] = []
     ctx = zmq.Context()
     worker = threading.Thread(target=_serve, args=(args, replica, ipc_folder, ctx, ready, failed, parent),
@@ -71,7 +71,7 @@ def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
     runner = scheduler.runner
     ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(), server_args=scheduler.args.to_dict(),
                                            model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
-                                           kv_pool_size=scheduler.kv_pool.size)))
+                                           kv_pool_size=scheduler.kv_pool.size, model_dir=runner.model_dir)))
     ready.close()
     _run_loop(loop, failed)
 

@@ -51,6 +51,7 @@ class LoadedModel(NamedTuple):
     tokenizer: Any
     model_path: str
     tokenizer_path: str
+    model_dir: str  # the folder of its config (a GGUF's converted folder): generation_config.json lives there
 
 
 def default_model_path() -> str:
@@ -176,7 +177,7 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
         model.load_weights(_iter_safetensors(checkpoint_files(folder)))
     tok_dir = tokenizer_path or folder
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir)
+    return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir, folder)
 
 
 # checkpoint pieces that load into one fused parameter (as LlamaForCausalLM.load_weights fuses them)
