@@ -12,7 +12,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from radixlang.constrained import CompiledGrammar, Grammar, GrammarCompiler, TokenizerInfo  # noqa: E402
+from radixlang.constrained import BACKENDS, CompiledGrammar, Grammar, GrammarCompiler, TokenizerInfo  # noqa: E402
 from radixlang.kernels.bitmask import unpack_bitmask  # noqa: E402
 
 
@@ -25,6 +25,17 @@ def smollm_tokenizer(smollm_path: str):
 @pytest.fixture(scope="session")
 def smollm_info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def compilers(request):
+    """One GrammarCompiler per backend over the module's tokenizer: its ``info`` fixture, or the fixture its
+    ``COMPILER_INFO`` names (each module picks the vocabulary its grammars are tested on)."""
+    info = request.getfixturevalue(getattr(request.module, "COMPILER_INFO", "info"))
+    made = {name: GrammarCompiler(info, backend=name, cache_size=256) for name in BACKENDS}
+    yield made
+    for c in made.values():
+        c.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -40,14 +40,6 @@ def info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def compilers(info):
-    made = {name: GrammarCompiler(info, backend=name) for name in BACKENDS}
-    yield made
-    for c in made.values():
-        c.shutdown()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forced_tag_allows_only_calls(compilers, backend):
     compiled = compilers[backend].compile("structural_tag", _tag())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_schema_fidelity import walk
 
-from radixlang.constrained import GrammarCompiler, TokenizerInfo, UnsupportedGrammar
+from radixlang.constrained import TokenizerInfo, UnsupportedGrammar
 from radixlang.kernels.bitmask import unpack_bitmask
 
 LIBRARIES = ("xgrammar", "llguidance")
@@ -31,14 +31,6 @@ LARK = 'start: sum (";" sum)*\nsum: NUM ("+" NUM)*\nNUM: /[1-9][0-9]?/\n'
 @pytest.fixture(scope="module")
 def info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer, vocab_size=len(smollm_tokenizer) + 37)
-
-
-@pytest.fixture(scope="module")
-def compilers(info):
-    made = {name: GrammarCompiler(info, backend=name) for name in ("outlines", *LIBRARIES)}
-    yield made
-    for c in made.values():
-        c.shutdown()
 
 
 def _allowed(g, info) -> torch.Tensor:

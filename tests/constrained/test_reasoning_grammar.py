@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_schema_fidelity import walk
 
-from radixlang.constrained import FreeTextMasks, GrammarCompiler, ReasoningGrammar, TokenizerInfo
+from radixlang.constrained import FreeTextMasks, ReasoningGrammar, TokenizerInfo
 from radixlang.kernels.bitmask import unpack_bitmask
 
 BACKENDS = ("outlines", "xgrammar", "llguidance")
@@ -23,14 +23,6 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n
 @pytest.fixture(scope="module")
 def info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def compilers(info):
-    made = {name: GrammarCompiler(info, backend=name) for name in BACKENDS}
-    yield made
-    for c in made.values():
-        c.shutdown()
 
 
 def _allowed(g, info) -> torch.Tensor:

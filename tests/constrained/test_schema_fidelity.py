@@ -82,12 +82,7 @@ def padded_info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer, vocab_size=len(smollm_tokenizer) + 37)
 
 
-@pytest.fixture(scope="module")
-def compilers(padded_info):
-    made = {name: GrammarCompiler(padded_info, backend=name, cache_size=256) for name in BACKENDS}
-    yield made
-    for c in made.values():
-        c.shutdown()
+COMPILER_INFO = "padded_info"  # the vocabulary the shared `compilers` fixture (conftest.py) compiles for
 
 
 _CLOSERS = (b'"', b"}", b"]")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from radixlang.constrained import GrammarCompiler, TokenizerInfo
+from radixlang.constrained import TokenizerInfo
 from radixlang.constrained.errors import UnsupportedGrammar
 
 ARGS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "n": {"type": "integer",
@@ -40,14 +40,6 @@ CALL2 = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "n": 3}}
 @pytest.fixture(scope="module")
 def info(smollm_tokenizer) -> TokenizerInfo:
     return TokenizerInfo.from_tokenizer(smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def compilers(info):
-    made = {name: GrammarCompiler(info, backend=name) for name in ("outlines", *LIBRARIES)}
-    yield made
-    for c in made.values():
-        c.shutdown()
 
 
 def _accepts(compiled, text: str) -> bool:

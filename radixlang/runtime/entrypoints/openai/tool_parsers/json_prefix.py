@@ -16,8 +16,13 @@ _WS = " \t\r\n"
 
 def is_json_object(text: str) -> bool:
     """``text`` is exactly one JSON object (whitespace around it allowed)."""
+    return _parses_as(text, dict)
+
+
+def _parses_as(text: str, kind: type | tuple[type, ...]) -> bool:
+    """``text`` is one JSON value of ``kind``."""
     try:
-        return isinstance(json.loads(text), dict)
+        return isinstance(json.loads(text), kind)
     except ValueError:
         return False
 
@@ -47,7 +52,7 @@ def object_prefix_ok(text: str) -> bool:
                 end = _string_end(text, i)
                 if end is None:
                     return _string_prefix_ok(text, i)
-                if not _is_string(text[i:end]):
+                if not _parses_as(text[i:end], str):
                     return False
                 expect, i = "colon", end
             else:
@@ -67,7 +72,7 @@ def object_prefix_ok(text: str) -> bool:
                 end = _string_end(text, i)
                 if end is None:
                     return _string_prefix_ok(text, i)
-                if not _is_string(text[i:end]):
+                if not _parses_as(text[i:end], str):
                     return False
                 expect, i = _after_value(stack), end
             else:
@@ -77,7 +82,7 @@ def object_prefix_ok(text: str) -> bool:
                 word = text[i:j]
                 if j == n:  # it may still grow
                     return any(lit.startswith(word) for lit in _LITERALS) or _NUMBER_PREFIX.fullmatch(word) is not None
-                if word not in _LITERALS and not _is_number(word):
+                if word not in _LITERALS and not _parses_as(word, (int, float)):
                     return False
                 expect, i = _after_value(stack), j
         elif expect == "comma_or_end":
@@ -120,17 +125,3 @@ def _string_prefix_ok(text: str, i: int) -> bool:
             return True
         except ValueError:
             return False
-
-
-def _is_string(token: str) -> bool:
-    try:
-        return isinstance(json.loads(token), str)
-    except ValueError:
-        return False
-
-
-def _is_number(word: str) -> bool:
-    try:
-        return isinstance(json.loads(word), (int, float))
-    except ValueError:
-        return False
