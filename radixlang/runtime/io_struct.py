@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import orjson
 
+from radixlang.runtime.errors import RequestError
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 FinishKind = Literal["stop", "length", "abort"]
@@ -81,6 +82,21 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # -1: no input logprobs; k: logprobs of input tokens k.. (k>=1 scored)
     top_logprobs_num: int = 0
     stream: bool = False
+    # an embedding request (--is-embedding): a prefill that returns the pooled hidden state, no tokens;
+    # ``embedding_dimensions`` cuts it (a Matryoshka model's ``dimensions``)
+    embedding: bool = False
+    embedding_dimensions: int | None = None
+
+
+def check_embedding_match(*, embedding: bool, is_embedding: bool, model: str | None) -> None:
+    """Refuse (RequestError naming ``model``) an embedding request to a generation server and a generation
+    request to an embedding server (--is-embedding)."""
+    if embedding and not is_embedding:
+        raise RequestError(f"model {model} is not an embedding model: start the server with --is-embedding on "
+                           "one to serve embeddings", "model")
+    if is_embedding and not embedding:
+        raise RequestError(f"model {model} is an embedding model (--is-embedding): it serves /v1/embeddings "
+                           "and /v1/rerank, not generation", "model")
 
 
 @dataclass(kw_only=True)
@@ -165,6 +181,7 @@ class BatchTokenIDOut:
     input_token_logprobs: list[list[list[float | int | None]] | None] = field(default_factory=list)
     input_top_logprobs: list[list[list[list[float | int]] | None] | None] = field(default_factory=list)
     extra_meta: list[dict[str, Any]] = field(default_factory=list)  # e.g. jump_forward_tokens
+    embeddings: list[list[float] | None] = field(default_factory=list)  # an embedding request's, when finished
 
 
 @dataclass(kw_only=True)
@@ -182,6 +199,7 @@ class BatchStrOut:
     input_token_logprobs: list[Any] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     extra_meta: list[dict[str, Any]] = field(default_factory=list)
+    embeddings: list[list[float] | None] = field(default_factory=list)
 
 
 _MESSAGE_TYPES: dict[str, type] = {

@@ -22,6 +22,7 @@ from radixlang.runtime.entrypoints.http_common import (
 )
 from radixlang.runtime.entrypoints.anthropic import serve_count_tokens, serve_messages
 from radixlang.runtime.entrypoints.anthropic_protocol import anthropic_error
+from radixlang.runtime.entrypoints.embeddings import add_embedding_routes
 from radixlang.runtime.entrypoints.metrics import make_registry, render
 from radixlang.runtime.entrypoints.openai.responses import delete_response, get_response, serve_responses
 from radixlang.runtime.entrypoints.openai.responses_store import ResponseStore
@@ -77,13 +78,14 @@ def create_app(engine: Front) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        out = await engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1})
+        out = await engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1},
+                                    embedding=args.is_embedding)
         return Response(status_code=200 if out["meta_info"]["finish_reason"]["type"] != "abort" else 503)
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
-                "is_generation": True, "chat_template": chat_template_of(engine),
+                "is_generation": not args.is_embedding, "chat_template": chat_template_of(engine),
                 "default_sampling_params": engine.sampling_defaults}
 
     @app.get("/get_server_info")
@@ -151,6 +153,7 @@ def create_app(engine: Front) -> FastAPI:
         return await serve_count_tokens(engine, await request.body())
 
     add_tokenize_routes(app, engine)
+    add_embedding_routes(app, engine)
 
     responses = ResponseStore()  # store / previous_response_id: bounded, in this process's memory
 

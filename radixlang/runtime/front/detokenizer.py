@@ -145,7 +145,7 @@ class DetokenizerManager:
             prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens, output_token_logprobs=out.output_token_logprobs,
             output_top_logprobs=out.output_top_logprobs, input_token_logprobs=out.input_token_logprobs,
-            input_top_logprobs=out.input_top_logprobs, extra_meta=out.extra_meta)
+            input_top_logprobs=out.input_top_logprobs, extra_meta=out.extra_meta, embeddings=out.embeddings)
 
     def abort(self, rid: str) -> None:
         self.decoders.pop(rid, None)

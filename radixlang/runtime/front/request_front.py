@@ -39,7 +39,7 @@ from radixlang.runtime.dp.router import Router
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
-    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq,
+    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq, check_embedding_match,
 )
 from radixlang.runtime.generation_config import sampling_defaults
 from radixlang.runtime.front.request_output import Item, RequestOutput, expand_requests, is_batched
@@ -238,9 +238,15 @@ class RequestFront:
 
     def submit(self, input_ids: list[int], text: str | None, params: SamplingParams, *, sink: Sink,
                return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
-               stream: bool = False, rid: str | None = None) -> Pending:
-        """Route one expanded request, register it and send it; its snapshots go to ``sink``."""
+               stream: bool = False, rid: str | None = None, embedding: bool = False,
+               embedding_dimensions: int | None = None) -> Pending:
+        """Route one expanded request, register it and send it; its snapshots go to ``sink``.
+
+        ``embedding``: return the prompt's pooled embedding (snapshot key "embedding") instead of
+        generating; only an embedding server (--is-embedding) takes it, and takes nothing else."""
         rid = rid or uuid.uuid4().hex
+        check_embedding_match(embedding=embedding, is_embedding=self.server_args.is_embedding,
+                              model=self.server_args.served_model_name)
         with self._lock:
             if self.error is not None:
                 raise RuntimeError(f"the {self.name} has failed: {self.error}")
@@ -252,7 +258,8 @@ class RequestFront:
         req = TokenizedGenerateReq(rid=rid, input_ids=input_ids, sampling_params=params, input_text=text,
                                    return_logprob=return_logprob,
                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                                   top_logprobs_num=top_logprobs_num, stream=stream)
+                                   top_logprobs_num=top_logprobs_num, stream=stream, embedding=embedding,
+                                   embedding_dimensions=embedding_dimensions)
         try:
             self.transport.send(replica, req)
         except BaseException:

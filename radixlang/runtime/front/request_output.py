@@ -61,6 +61,7 @@ class RequestOutput:
         self.lp: dict[str, list] = {"input_token_logprobs": [], "output_token_logprobs": [],
                                     "input_top_logprobs": [], "output_top_logprobs": []}
         self.return_logprob = return_logprob
+        self.embedding: list[float] | None = None  # an embedding request's, once it finished
         self.done = False
 
     def update(self, out: BatchStrOut, i: int) -> None:
@@ -71,6 +72,8 @@ class RequestOutput:
         self.meta.update(prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
                          cached_tokens=out.cached_tokens[i], finish_reason=fin)
         self.meta.update(out.extra_meta[i] if i < len(out.extra_meta) else {})
+        if i < len(out.embeddings) and out.embeddings[i] is not None:
+            self.embedding = out.embeddings[i]
         for key in self.lp:
             vals = getattr(out, key)[i] if i < len(getattr(out, key)) else None
             if vals:
@@ -91,4 +94,7 @@ class RequestOutput:
                                           for row in self.lp["input_top_logprobs"]]
             meta["output_top_logprobs"] = [[(lp, tid, None) for lp, tid in row]
                                            for row in self.lp["output_top_logprobs"]]
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        snap = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if self.embedding is not None:
+            snap["embedding"] = self.embedding
+        return snap

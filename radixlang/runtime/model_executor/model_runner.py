@@ -272,7 +272,9 @@ class ModelRunner:
             return self.run_step(inputs)
 
     def run_step(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the device.
+        """The forward itself (every rank runs it); logits [len(logit_rows), vocab] float32 on the device,
+        or with --is-embedding those rows' final hidden states [len(logit_rows), hidden] (pooled by the
+        scheduler: scheduler/pooled_step.py).
 
         A decode batch of at most ``cuda_graph_max_bs`` requests replays a captured graph; its logits are
         a view of the shared graph buffer, valid until the next step.
@@ -297,6 +299,8 @@ class ModelRunner:
                       if every and self.decode_stack is not None else None)  # None: a step it does not take
             if hidden is None:
                 hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
+            if self.args.is_embedding:
+                return hidden  # [len(rows), hidden] in the model's dtype
             return self.model.compute_logits(hidden)  # [len(rows), vocab] float32
 
     def shutdown(self) -> None:

@@ -22,11 +22,13 @@ class Runner(Protocol):
     max_running: int  # max requests in one batch
     req_to_token_pool: ReqToTokenPool
     kv_pool: TokenToKVPool
+    model_dir: str  # the model's folder: an embedding server reads its pooling config there
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one step; logits [len(inputs.logit_rows), vocab_size] float32 on the host.
 
-        Row i scores the token after ``inputs.input_ids[inputs.logit_rows[i]]``.
+        Row i scores the token after ``inputs.input_ids[inputs.logit_rows[i]]``. An embedding server's
+        runner (--is-embedding) returns those rows' final hidden states instead, [len(logit_rows), hidden].
         """
         ...
 

@@ -38,9 +38,13 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def model_class(config: Any) -> type[nn.Module]:
-    """The class for the config's architecture; a ValueError listing the supported ones otherwise."""
+    """The class for the config's architecture; a ValueError listing the supported ones otherwise.
+
+    A base model (``LlamaModel``: what sentence-transformers saves an embedding model as, its weights
+    named without ``model.``) loads as its causal LM; the loader reads either naming."""
     archs = list(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
     for arch in archs:
-        if arch in MODEL_CLASSES:
-            return MODEL_CLASSES[arch]
+        causal = arch.removesuffix("Model") + "ForCausalLM" if arch.endswith("Model") else arch
+        if causal in MODEL_CLASSES:
+            return MODEL_CLASSES[causal]
     raise ValueError(f"architecture {archs} is not supported (supported: {', '.join(sorted(MODEL_CLASSES))})")

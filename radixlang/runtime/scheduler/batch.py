@@ -11,6 +11,7 @@ from radixlang.constrained import CompiledGrammar, Grammar
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.io_struct import FinishReason
 from radixlang.runtime.model_executor.forward_batch import StepInputs
+from radixlang.runtime.model_executor.pooling import PooledRows
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Req:
     draft_state: Any = None  # the drafter's per-request state (speculative.py), built on its first drafted step
     spec_draft_tokens: int = 0  # tokens drafted for this request, and how many of them were accepted
     spec_accepted_tokens: int = 0
+    pooled: PooledRows | None = None  # an embedding request's pooling (it samples nothing)
+    embedding: list[float] | None = None  # its result, once its last prefill chunk ran
     # latency bookkeeping (time.monotonic seconds)
     arrival_time: float = 0.0
     last_token_time: float | None = None  # when the newest output token was appended

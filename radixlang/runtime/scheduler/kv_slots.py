@@ -35,6 +35,8 @@ class KVSlots:
         limit = req.seq_len - 1  # always compute at least one token: its logits are needed
         if req.return_logprob:
             limit = min(limit, req.input_logit_start)
+        if req.pooled is not None:  # the cache keeps KV, not hidden states: pooled positions are computed
+            limit = min(limit, req.pooled.positions.start)
         prefix, node = self.cache.match(req, limit)
         self.cache.lock(node)
         req.prefix_indices, req.last_node = prefix, node

@@ -50,6 +50,7 @@ class OutputCollector:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
                 out.extra_meta.append({})
+                out.embeddings.append(None)
                 continue
             p = req.sampling_params
             start, end = req.sent_output_len, len(req.output_ids)
@@ -79,6 +80,7 @@ class OutputCollector:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
             out.extra_meta.append(_extra_meta(req))
+            out.embeddings.append(req.embedding if final else None)
             req.sent_output_len = end
         self._pending.clear()
         return out

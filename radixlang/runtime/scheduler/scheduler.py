@@ -25,8 +25,10 @@ from radixlang.runtime.errors import RequestError
 from radixlang.runtime.scheduler.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
 from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
-from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq
+from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq,
+                                         check_embedding_match)
 from radixlang.runtime.scheduler.kv_slots import KVSlots
+from radixlang.runtime.scheduler.pooled_step import add_pooled, pooled_rows
 from radixlang.runtime.scheduler.request_checks import token_budget
 from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
 from radixlang.runtime.scheduler.policy import order_waiting
@@ -40,6 +42,7 @@ from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.mem_cache.swa_req_cache import SWANoReqCache, SWATreeReqCache
 from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
 from radixlang.runtime.model_executor.model_runner import ModelRunner
+from radixlang.runtime.model_executor.pooling import PooledRows, PoolingConfig, read_pooling_config
 from radixlang.runtime.model_executor.runner import Runner
 from radixlang.runtime.models.layers.rotary import rope_length_key
 from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
@@ -80,6 +83,9 @@ class Scheduler:
         self.stats = self.metrics.counts
         self.jump_forward = not self.args.disable_jump_forward
         self.drafter = make_drafter(self.args, vocab_size=self.runner.vocab_size, context_len=self.runner.context_len)
+        # an embedding server pools final hidden states (pooled_step.py) and samples nothing
+        self.pooling: PoolingConfig | None = (read_pooling_config(self.runner.model_dir) if self.args.is_embedding
+                                              else None)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -101,8 +107,11 @@ class Scheduler:
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
                   arrival_time=time.monotonic(),
                   cache_namespace=rope_length_key(self.runner.hf_config, len(tr.input_ids)))
+        if self.pooling is not None:
+            req.pooled = PooledRows(positions=self.pooling.positions(req.prompt_len),
+                                    dimensions=tr.embedding_dimensions)
         self.stats["num_requests"] += 1
-        if budget == 0 and not tr.return_logprob and self.args.disable_radix_cache:
+        if budget == 0 and not tr.return_logprob and req.pooled is None and self.args.disable_radix_cache:
             # a prefill-only request (a client warming a prefix) returns nothing, and without a cache it
             # leaves nothing behind: computing it would only cost a prefill
             req.finished_reason = FinishReason.max_tokens(0)
@@ -119,6 +128,7 @@ class Scheduler:
         if bad:
             raise RequestError(f"input_ids must be in [0, {vocab_size}), got {bad[0]}", "input_ids")
         _validate_request_extras(tr, vocab_size)
+        self._validate_embedding(tr)
         if len(tr.input_ids) >= context_len:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
                                f"{context_len}", "input_ids")
@@ -128,6 +138,13 @@ class Scheduler:
                                "input_ids")
         # a lone request past the pool could not be retracted: cap it, as for context
         return min(budget, self.kv_pool.size - len(tr.input_ids))
+
+    def _validate_embedding(self, tr: TokenizedGenerateReq) -> None:
+        """An embedding server serves embedding requests only, and a generation server none."""
+        check_embedding_match(embedding=tr.embedding, is_embedding=self.pooling is not None,
+                              model=self.args.served_model_name)
+        if self.pooling is not None:
+            self.pooling.check_dimensions(tr.embedding_dimensions, int(self.runner.hf_config.hidden_size))
 
     def abort_request(self, rid: str) -> None:
         for req in self.waiting:
@@ -273,11 +290,16 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.release(req)
         req.is_retracted = True
+        if req.pooled is not None:  # its rows are pooled again when its prefill runs again
+            req.pooled.total = None
         self.waiting.insert(0, req)
         self.stats["num_retractions"] += 1
 
     # ---- run and post-process --------------------------------------------------------------
     def _run_batch(self, batch: ScheduleBatch) -> None:
+        if self.pooling is not None:
+            self._run_pooled_batch(batch, self.pooling)
+            return
         rows, logprob_spans = logit_rows(batch)
         logits = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
         sample_rows = [i for i, s in enumerate(batch.sample_mask) if s]
@@ -292,6 +314,18 @@ class Scheduler:
                                     logits[[logprob_spans[i][1] for i in sample_rows]])
         self._update_running(batch)
         self.kv.trim_windows(self.running)
+
+    def _run_pooled_batch(self, batch: ScheduleBatch, pooling: PoolingConfig) -> None:
+        """An embedding server's prefill: the runner returns the pooled rows' hidden states; a request
+        whose last chunk ran finishes with its embedding."""
+        rows, spans = pooled_rows(batch)
+        hidden = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
+        add_pooled(batch, hidden, spans, pooling)
+        self._after_extend(batch)
+        for req, last_chunk in zip(batch.reqs, batch.sample_mask):
+            if last_chunk and not req.finished:
+                req.finished_reason = FinishReason.stop(None)
+                self._finish(req)
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         # every prefilled prompt (and each chunk of a long one) becomes shareable before it finishes
