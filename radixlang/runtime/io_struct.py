@@ -155,51 +155,53 @@ class SchedulerReady:
 
 
 @dataclass(kw_only=True)
-class BatchTokenIDOut:
-    """Scheduler -> detokenizer: for each request that produced something this step.
+class OutputRow:
+    """One request's piece of a step, new since its previous row: what the front adds to its output.
 
-    ``output_ids[i]`` are the token ids new since the previous message for that rid;
-    ``finished_reasons[i]`` is None while the request runs, else ``FinishReason.to_dict()``:
-    SGLang's shape ``{"type": "length"|"stop"|"abort", "matched": int|str|None, ...}``.
-    Logprob lists follow the same "new since last message" rule.
+    ``finished_reason`` is None while the request runs, else ``FinishReason.to_dict()`` (SGLang's shape
+    ``{"type": "length"|"stop"|"abort", "matched": int|str|None, ...}``). Logprobs (None unless asked
+    for) follow the same "new since the last row" rule: ``[(logprob, token_id), ...]`` and top-k lists.
     """
-    rids: list[str]
-    output_ids: list[list[int]]
-    finished_reasons: list[FinishReasonDict | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    # sampling options the detokenizer needs (sent on every message; small)
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
-    stop_strs: list[list[str]]
-    stop_regexes: list[list[str]] = field(default_factory=list)  # per request (may be empty: none)
-    # logprobs: per request None or [(logprob, token_id), ...] and top-k lists
-    output_token_logprobs: list[list[list[float | int]] | None] = field(default_factory=list)
-    output_top_logprobs: list[list[list[list[float | int]]] | None] = field(default_factory=list)
-    input_token_logprobs: list[list[list[float | int | None]] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[list[float | int]] | None] | None] = field(default_factory=list)
-    extra_meta: list[dict[str, Any]] = field(default_factory=list)  # e.g. jump_forward_tokens
-    embeddings: list[list[float] | None] = field(default_factory=list)  # an embedding request's, when finished
+    rid: str
+    output_ids: list[int]
+    finished_reason: FinishReasonDict | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[list[float | int]] | None = None
+    output_top_logprobs: list[list[list[float | int]]] | None = None
+    input_token_logprobs: list[list[float | int | None]] | None = None
+    input_top_logprobs: list[list[list[float | int]] | None] | None = None
+    extra_meta: dict[str, Any] = field(default_factory=dict)  # e.g. jump_forward_tokens
+    embedding: list[float] | None = None  # an embedding request's, when finished
+
+
+@dataclass(kw_only=True)
+class TokenRow(OutputRow):
+    """A row as the scheduler sends it: with the options the detokenizer needs (sent on every row; small)."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop_strs: list[str] = field(default_factory=list)
+    stop_regexes: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class TextRow(OutputRow):
+    """A row as the detokenizer passes it on: with its text delta."""
+    text_delta: str = ""
+
+
+@dataclass(kw_only=True)
+class BatchTokenIDOut:
+    """Scheduler -> detokenizer: one row for each request that produced something this step."""
+    rows: list[TokenRow]
 
 
 @dataclass(kw_only=True)
 class BatchStrOut:
-    """Detokenizer -> tokenizer manager: text deltas plus the ids and meta of BatchTokenIDOut."""
-    rids: list[str]
-    text_deltas: list[str]
-    output_ids: list[list[int]]
-    finished_reasons: list[FinishReasonDict | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    output_token_logprobs: list[Any] = field(default_factory=list)
-    output_top_logprobs: list[Any] = field(default_factory=list)
-    input_token_logprobs: list[Any] = field(default_factory=list)
-    input_top_logprobs: list[Any] = field(default_factory=list)
-    extra_meta: list[dict[str, Any]] = field(default_factory=list)
-    embeddings: list[list[float] | None] = field(default_factory=list)
+    """Detokenizer -> request front: the same rows with their text deltas."""
+    rows: list[TextRow]
 
 
 _MESSAGE_TYPES: dict[str, type] = {
@@ -208,6 +210,9 @@ _MESSAGE_TYPES: dict[str, type] = {
                 GetInternalStateOut, CheckMemoryLeakReq, CheckMemoryLeakOut, SchedulerReady, BatchTokenIDOut,
                 BatchStrOut)
 }
+
+
+_ROW_TYPES: dict[type, type] = {BatchTokenIDOut: TokenRow, BatchStrOut: TextRow}
 
 
 def encode(msg: Any) -> bytes:
@@ -227,4 +232,6 @@ def decode(data: bytes) -> Any:
     fields = obj["d"]
     if cls is TokenizedGenerateReq:
         fields["sampling_params"] = SamplingParams.from_wire(fields["sampling_params"])
+    elif cls in _ROW_TYPES:
+        fields["rows"] = [_ROW_TYPES[cls](**row) for row in fields["rows"]]
     return cls(**fields)

@@ -241,9 +241,9 @@ def _embed_all(scheduler: Scheduler, prompts: list[list[int]]) -> tuple[dict[str
     while not scheduler.is_idle():
         out = scheduler.step()
         steps += 1
-        for rid, emb in zip(out.rids, out.embeddings) if out is not None else ():
-            if emb is not None:
-                got[rid] = emb
+        for row in out.rows if out is not None else ():
+            if row.embedding is not None:
+                got[row.rid] = row.embedding
     scheduler.check_memory_leak()
     return got, steps
 

@@ -174,8 +174,8 @@ def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
         out = s.step()
         if b is not None and b.rid == "b" and s.chunked_req is b and b.kv_len == before:
             stalled += 1  # a step went by (A decoded) while B's next chunk waited for room
-        for rid, ids in zip(out.rids if out else [], out.output_ids if out else []):
-            outputs.setdefault(rid, []).extend(ids)
+        for row in out.rows if out else []:
+            outputs.setdefault(row.rid, []).extend(row.output_ids)
     assert s.is_idle()
     s.check_memory_leak()
     assert stalled > 0

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from radixlang.runtime.server_args import ServerArgs
-from radixlang.runtime.io_struct import BatchTokenIDOut, TokenizedGenerateReq, decode, encode
+from radixlang.runtime.io_struct import BatchTokenIDOut, TokenizedGenerateReq, TokenRow, decode, encode
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 
 
@@ -50,7 +50,8 @@ def test_codec_roundtrip_and_refuses_unknown():
     assert decode(encode(req)) == req
     with pytest.raises(ValueError):
         decode(b'{"t": "os.system", "d": {}}')
-    out = BatchTokenIDOut(rids=["a"], output_ids=[[1]], finished_reasons=[None], prompt_tokens=[2],
-                          completion_tokens=[1], cached_tokens=[0], skip_special_tokens=[True],
-                          spaces_between_special_tokens=[True], no_stop_trim=[False], stop_strs=[[]])
-    assert decode(encode(out)) == out
+    out = BatchTokenIDOut(rows=[TokenRow(rid="a", output_ids=[1], finished_reason=None, prompt_tokens=2,
+                                         completion_tokens=1, cached_tokens=0, stop_strs=["x"],
+                                         output_token_logprobs=[[-0.5, 1]])])
+    back = decode(encode(out))
+    assert back == out and isinstance(back.rows[0], TokenRow)

@@ -9,6 +9,8 @@ unless ``no_stop_trim``, so a stream's text adds up to the whole reply's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import Any
 
 import regex
 
-from radixlang.runtime.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+from radixlang.runtime.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason, OutputRow, TextRow, TokenRow
 
 _REPLACEMENT = "\ufffd"
 
@@ -113,39 +115,34 @@ class DetokenizerManager:
         self.decoders: dict[str, IncrementalDecoder] = {}
 
     def handle(self, out: BatchTokenIDOut) -> BatchStrOut:
-        deltas: list[str] = []
-        for i, rid in enumerate(out.rids):
-            dec = self.decoders.get(rid)
-            if dec is None:
-                dec = IncrementalDecoder(self.tokenizer, skip_special_tokens=out.skip_special_tokens[i],
-                                         spaces_between_special_tokens=out.spaces_between_special_tokens[i])
-                self.decoders[rid] = dec
-            finished = out.finished_reasons[i]
-            text = dec.append(out.output_ids[i], final=finished is not None)
-            stops = out.stop_strs[i]
-            patterns = out.stop_regexes[i] if i < len(out.stop_regexes) else []
-            if finished is None:
-                visible = len(text) - stop_holdback(text, stops) if stops else len(text)
-                if patterns:
-                    visible = min(visible, len(text) - stop_regex_holdback(text, patterns, dec.state.sent_len))
-            else:
-                reason = FinishReason.from_dict(finished)
-                if not out.no_stop_trim[i] and reason.kind == "stop" and isinstance(reason.matched, str):
-                    if reason.matched in stops:
-                        text = trim_at_stop(text, stops, start=dec.state.sent_len)
-                    else:  # a stop_regex pattern (the scheduler reports which one matched)
-                        text = trim_at_stop_regex(text, reason.matched, start=dec.state.sent_len)
-                visible = len(text)
-                del self.decoders[rid]
-            visible = max(visible, dec.state.sent_len)
-            deltas.append(text[dec.state.sent_len:visible])
-            dec.state.sent_len = visible
-        return BatchStrOut(
-            rids=out.rids, text_deltas=deltas, output_ids=out.output_ids, finished_reasons=out.finished_reasons,
-            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens, output_token_logprobs=out.output_token_logprobs,
-            output_top_logprobs=out.output_top_logprobs, input_token_logprobs=out.input_token_logprobs,
-            input_top_logprobs=out.input_top_logprobs, extra_meta=out.extra_meta, embeddings=out.embeddings)
+        return BatchStrOut(rows=[self._row(row) for row in out.rows])
+
+    def _row(self, row: TokenRow) -> TextRow:
+        dec = self.decoders.get(row.rid)
+        if dec is None:
+            dec = IncrementalDecoder(self.tokenizer, skip_special_tokens=row.skip_special_tokens,
+                                     spaces_between_special_tokens=row.spaces_between_special_tokens)
+            self.decoders[row.rid] = dec
+        finished = row.finished_reason
+        text = dec.append(row.output_ids, final=finished is not None)
+        stops, patterns = row.stop_strs, row.stop_regexes
+        if finished is None:
+            visible = len(text) - stop_holdback(text, stops) if stops else len(text)
+            if patterns:
+                visible = min(visible, len(text) - stop_regex_holdback(text, patterns, dec.state.sent_len))
+        else:
+            reason = FinishReason.from_dict(finished)
+            if not row.no_stop_trim and reason.kind == "stop" and isinstance(reason.matched, str):
+                if reason.matched in stops:
+                    text = trim_at_stop(text, stops, start=dec.state.sent_len)
+                else:  # a stop_regex pattern (the scheduler reports which one matched)
+                    text = trim_at_stop_regex(text, reason.matched, start=dec.state.sent_len)
+            visible = len(text)
+            del self.decoders[row.rid]
+        visible = max(visible, dec.state.sent_len)
+        delta = text[dec.state.sent_len:visible]
+        dec.state.sent_len = visible
+        return TextRow(text_delta=delta, **{f.name: getattr(row, f.name) for f in dataclasses.fields(OutputRow)})
 
     def abort(self, rid: str) -> None:
         self.decoders.pop(rid, None)

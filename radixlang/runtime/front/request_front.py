@@ -349,13 +349,13 @@ class RequestFront:
     # ---- outputs and faults (from the transport, any thread) -----------------------------------------
     def deliver(self, out: BatchStrOut) -> None:
         """Apply one detokenized output batch: update each request, publish its snapshot, end finished ones."""
-        for i, rid in enumerate(out.rids):
+        for row in out.rows:
             with self._lock:
-                p = self._pending.get(rid)
+                p = self._pending.get(row.rid)
                 if p is None:
                     continue  # already failed, or not ours
-                p.update(out, i)
-                ended = p.done and self._pending.pop(rid, None) is p
+                p.update(row)
+                ended = p.done and self._pending.pop(row.rid, None) is p
             if ended:  # before the caller can see the end: it may read the router's loads next
                 self.router.finished(p.replica)
             p.publish()

@@ -1,7 +1,7 @@
 """What both fronts of the runtime share: turning a call into requests, and one request's output.
 
 ``expand_requests`` validates and tokenizes a ``generate`` call (one prompt or many,
-n expanded in order); ``RequestOutput`` accumulates the ``BatchStrOut`` messages of one
+n expanded in order); ``RequestOutput`` accumulates the ``BatchStrOut`` rows of one
 request into the dict a caller gets (text, output_ids, meta_info). The in-process
 Engine and the server's TokenizerManager both use them, so the two answer alike.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlang.runtime.io_struct import BatchStrOut
+from radixlang.runtime.io_struct import TextRow
 from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.tokenizer_source import encode_prompt
@@ -64,21 +64,20 @@ class RequestOutput:
         self.embedding: list[float] | None = None  # an embedding request's, once it finished
         self.done = False
 
-    def update(self, out: BatchStrOut, i: int) -> None:
-        """Add row ``i`` of ``out`` (this request's newest piece)."""
-        self.text += out.text_deltas[i]
-        self.output_ids.extend(out.output_ids[i])
-        fin = out.finished_reasons[i]
-        self.meta.update(prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
-                         cached_tokens=out.cached_tokens[i], finish_reason=fin)
-        self.meta.update(out.extra_meta[i] if i < len(out.extra_meta) else {})
-        if i < len(out.embeddings) and out.embeddings[i] is not None:
-            self.embedding = out.embeddings[i]
+    def update(self, row: TextRow) -> None:
+        """Add this request's newest piece."""
+        self.text += row.text_delta
+        self.output_ids.extend(row.output_ids)
+        self.meta.update(prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
+                         cached_tokens=row.cached_tokens, finish_reason=row.finished_reason)
+        self.meta.update(row.extra_meta)
+        if row.embedding is not None:
+            self.embedding = row.embedding
         for key in self.lp:
-            vals = getattr(out, key)[i] if i < len(getattr(out, key)) else None
+            vals = getattr(row, key)
             if vals:
                 self.lp[key].extend(vals)
-        self.done = fin is not None
+        self.done = row.finished_reason is not None
 
     def fail(self, message: str) -> None:
         """End the request with an abort that no scheduler sent (its process or thread died)."""

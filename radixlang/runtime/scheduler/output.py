@@ -1,9 +1,9 @@
-"""OutputCollector: gathers each step's per-request outputs into one BatchTokenIDOut."""
+"""OutputCollector: gathers each step's per-request outputs into one BatchTokenIDOut, a row per request."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason
+from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, TokenRow
 from radixlang.runtime.scheduler.batch import Req
 
 
@@ -27,63 +27,38 @@ class OutputCollector:
     def flush(self, tokenizer) -> BatchTokenIDOut | None:
         if not self._pending:
             return None
-        out = BatchTokenIDOut(rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
-                              cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
-                              no_stop_trim=[], stop_strs=[])
-        for rid, (req, final, err) in self._pending.items():
-            out.rids.append(rid)
-            if req is None:
-                if err is None:
-                    raise RuntimeError(f"output for request {rid} has neither a request nor a refusal")
-                out.output_ids.append([])
-                out.finished_reasons.append(err.reason.to_dict())
-                out.prompt_tokens.append(err.prompt_tokens)
-                out.completion_tokens.append(0)
-                out.cached_tokens.append(0)
-                out.skip_special_tokens.append(True)
-                out.spaces_between_special_tokens.append(True)
-                out.no_stop_trim.append(False)
-                out.stop_strs.append([])
-                out.stop_regexes.append([])
-                out.output_token_logprobs.append(None)
-                out.output_top_logprobs.append(None)
-                out.input_token_logprobs.append(None)
-                out.input_top_logprobs.append(None)
-                out.extra_meta.append({})
-                out.embeddings.append(None)
-                continue
-            p = req.sampling_params
-            start, end = req.sent_output_len, len(req.output_ids)
-            if req.return_logprob and not final:  # jumped tokens wait for their logprobs (the next extend)
-                end = min(end, len(req.output_token_logprobs))
-            out.output_ids.append(req.output_ids[start:end])
-            reason = req.finished_reason if final else None
-            out.finished_reasons.append(reason.to_dict() if reason is not None else None)
-            out.prompt_tokens.append(req.prompt_len)
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.skip_special_tokens.append(p.skip_special_tokens)
-            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
-            out.no_stop_trim.append(p.no_stop_trim)
-            out.stop_strs.append(list(p.stop))
-            out.stop_regexes.append(list(p.stop_regex))
-            if req.return_logprob:
-                out.output_token_logprobs.append(req.output_token_logprobs[start:end])
-                out.output_top_logprobs.append(req.output_top_logprobs[start:end] if req.top_logprobs_num else None)
-                first = not req.sent_input_logprobs
-                out.input_token_logprobs.append(req.input_token_logprobs if first else [])
-                out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
-                req.sent_input_logprobs = True
-            else:
-                out.output_token_logprobs.append(None)
-                out.output_top_logprobs.append(None)
-                out.input_token_logprobs.append(None)
-                out.input_top_logprobs.append(None)
-            out.extra_meta.append(_extra_meta(req))
-            out.embeddings.append(req.embedding if final else None)
-            req.sent_output_len = end
+        rows = [self._row(rid, req, final, err) for rid, (req, final, err) in self._pending.items()]
         self._pending.clear()
-        return out
+        return BatchTokenIDOut(rows=rows)
+
+    @staticmethod
+    def _row(rid: str, req: Req | None, final: bool, err: _Refusal | None) -> TokenRow:
+        if req is None:
+            if err is None:
+                raise RuntimeError(f"output for request {rid} has neither a request nor a refusal")
+            return TokenRow(rid=rid, output_ids=[], finished_reason=err.reason.to_dict(),
+                            prompt_tokens=err.prompt_tokens, completion_tokens=0, cached_tokens=0)
+        p = req.sampling_params
+        start, end = req.sent_output_len, len(req.output_ids)
+        if req.return_logprob and not final:  # jumped tokens wait for their logprobs (the next extend)
+            end = min(end, len(req.output_token_logprobs))
+        reason = req.finished_reason if final else None
+        row = TokenRow(rid=rid, output_ids=req.output_ids[start:end],
+                       finished_reason=reason.to_dict() if reason is not None else None,
+                       prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                       cached_tokens=req.cached_tokens, skip_special_tokens=p.skip_special_tokens,
+                       spaces_between_special_tokens=p.spaces_between_special_tokens, no_stop_trim=p.no_stop_trim,
+                       stop_strs=list(p.stop), stop_regexes=list(p.stop_regex), extra_meta=_extra_meta(req),
+                       embedding=req.embedding if final else None)
+        if req.return_logprob:
+            row.output_token_logprobs = req.output_token_logprobs[start:end]
+            row.output_top_logprobs = req.output_top_logprobs[start:end] if req.top_logprobs_num else None
+            first = not req.sent_input_logprobs
+            row.input_token_logprobs = req.input_token_logprobs if first else []
+            row.input_top_logprobs = req.input_top_logprobs if first and req.top_logprobs_num else None
+            req.sent_input_logprobs = True
+        req.sent_output_len = end
+        return row
 
 
 def _extra_meta(req: Req) -> dict[str, int]:

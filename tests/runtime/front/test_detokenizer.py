@@ -5,7 +5,7 @@ import pytest
 from radixlang.runtime.front.detokenizer import (
     DetokenizerManager, IncrementalDecoder, stop_holdback, stop_regex_holdback, trim_at_stop,
 )
-from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason
+from radixlang.runtime.io_struct import BatchTokenIDOut, FinishReason, TokenRow
 
 
 class ByteTokenizer:
@@ -56,11 +56,9 @@ def _stream(patterns: list[str], ids: list[int], matched: str | None) -> tuple[l
     for k, tok in enumerate(ids):
         last = k == len(ids) - 1
         reason = (FinishReason.stop(matched) if matched else FinishReason.max_tokens(len(ids))) if last else None
-        out = BatchTokenIDOut(rids=["r"], output_ids=[[tok]], finished_reasons=[reason.to_dict() if reason else None],
-                              prompt_tokens=[1], completion_tokens=[k + 1], cached_tokens=[0],
-                              skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
-                              stop_strs=[[]], stop_regexes=[patterns])
-        deltas.append(mgr.handle(out).text_deltas[0])
+        row = TokenRow(rid="r", output_ids=[tok], finished_reason=reason.to_dict() if reason else None,
+                       prompt_tokens=1, completion_tokens=k + 1, cached_tokens=0, stop_regexes=patterns)
+        deltas.append(mgr.handle(BatchTokenIDOut(rows=[row])).rows[0].text_delta)
     return deltas, "".join(deltas)
 
 

@@ -10,7 +10,7 @@ import pytest
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
-    GetInternalStateReq, SchedulerReady,
+    GetInternalStateReq, SchedulerReady, TextRow,
 )
 from radixlang.runtime.front.request_front import RequestFront
 from radixlang.runtime.server_args import ServerArgs
@@ -67,8 +67,8 @@ class _Transport:
 
 
 def _out(rid: str, text: str, reason: dict | None) -> BatchStrOut:
-    return BatchStrOut(rids=[rid], text_deltas=[text], output_ids=[[ord(text)] if text else []],
-                       finished_reasons=[reason], prompt_tokens=[3], completion_tokens=[1], cached_tokens=[0])
+    return BatchStrOut(rows=[TextRow(rid=rid, text_delta=text, output_ids=[ord(text)] if text else [],
+                                     finished_reason=reason, prompt_tokens=3, completion_tokens=1, cached_tokens=0)])
 
 
 def _front(kv_sizes=(64, 32), policy: str = "round_robin") -> tuple[RequestFront, _Transport]:

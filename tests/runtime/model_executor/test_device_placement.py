@@ -59,8 +59,8 @@ def _drive(scheduler) -> dict[str, list[int]]:
             if scheduler.is_idle():
                 return
             out = scheduler.step()
-            for rid, ids in zip(out.rids if out else [], out.output_ids if out else []):
-                outputs.setdefault(rid, []).extend(ids)
+            for row in out.rows if out else []:
+                outputs.setdefault(row.rid, []).extend(row.output_ids)
         raise AssertionError("the scheduler did not go idle")
 
     scheduler._finish = _recording(scheduler._finish, logprobs)

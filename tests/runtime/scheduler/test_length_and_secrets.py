@@ -16,11 +16,11 @@ def _run(sched: Scheduler, rid: str, prompt: list[int], params: dict) -> tuple[l
     ids: list[int] = []
     for _ in range(200):
         out = sched.step()
-        if out is not None and rid in out.rids:
-            i = out.rids.index(rid)
-            ids += out.output_ids[i]
-            if out.finished_reasons[i] is not None:
-                return ids, dict(out.finished_reasons[i])
+        for row in out.rows if out is not None else ():
+            if row.rid == rid:
+                ids += row.output_ids
+                if row.finished_reason is not None:
+                    return ids, dict(row.finished_reason)
     raise AssertionError(f"{rid} did not finish")
 
 

@@ -41,12 +41,12 @@ class Collected:
         if out is None:
             return
         out = decode(encode(out))  # what crosses the process boundary
-        for rid, ids, reason in zip(out.rids, out.output_ids, out.finished_reasons):
-            if rid in self.reasons:
-                raise AssertionError(f"{rid} got output after it finished")
-            self.ids.setdefault(rid, []).extend(ids)
-            if reason is not None:
-                self.reasons[rid] = reason
+        for row in out.rows:
+            if row.rid in self.reasons:
+                raise AssertionError(f"{row.rid} got output after it finished")
+            self.ids.setdefault(row.rid, []).extend(row.output_ids)
+            if row.finished_reason is not None:
+                self.reasons[row.rid] = row.finished_reason
 
 
 def run(sched: Scheduler, got: Collected | None = None, max_steps: int = 500) -> Collected:
