@@ -27,6 +27,7 @@ from radixlang.runtime.entrypoints.metrics import make_registry, render
 from radixlang.runtime.entrypoints.openai.responses import delete_response, get_response, serve_responses
 from radixlang.runtime.entrypoints.openai.responses_store import ResponseStore
 from radixlang.runtime.entrypoints.openai.serving import serve_chat, serve_completions
+from radixlang.runtime.entrypoints.smg_routes import add_smg_routes
 from radixlang.runtime.entrypoints.tokenize_routes import add_tokenize_routes
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.front.tokenizer_manager import RequestStream
@@ -82,12 +83,14 @@ def create_app(engine: Front) -> FastAPI:
                                     embedding=args.is_embedding)
         return Response(status_code=200 if out["meta_info"]["finish_reason"]["type"] != "abort" else 503)
 
+    @app.get("/model_info")  # SGLang's current name; SMG reads it
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
                 "is_generation": not args.is_embedding, "chat_template": chat_template_of(engine),
                 "default_sampling_params": engine.sampling_defaults}
 
+    @app.get("/server_info")  # SGLang's current name; SMG probes it to tell an SGLang worker from a vLLM one
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         return await engine.get_server_info()
@@ -154,6 +157,7 @@ def create_app(engine: Front) -> FastAPI:
 
     add_tokenize_routes(app, engine)
     add_embedding_routes(app, engine)
+    add_smg_routes(app, engine)
 
     responses = ResponseStore()  # store / previous_response_id: bounded, in this process's memory
 
