@@ -5,7 +5,8 @@ A ``MatcherCompiled`` is the shared compiled grammar of one (kind, spec); a
 scheduler relies on everywhere: the radixlang EOS rule (EOS only in accepting
 states; after it only EOS), the packed int32 mask of ``tokenizer_info.vocab_size``
 words (ids past the tokenizer's own vocabulary and tokens without bytes are
-never allowed), jump-forward text and ``copy``. Subclasses adapt one library.
+never allowed, except the special tokens an llguidance grammar names), jump-forward
+text and ``copy``. Subclasses adapt one library.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from radixlang.constrained.grammar import pack_token_ids, utf8_prefix_len
 from radixlang.constrained.tokenizer_info import TokenizerInfo
 
 
-def spellable_mask(info: TokenizerInfo) -> torch.Tensor:
-    """Packed row allowing the tokens that have bytes plus the EOS ids (what any grammar may allow)."""
+def spellable_mask(info: TokenizerInfo, *, named_special: bool = False) -> torch.Tensor:
+    """Packed row allowing the tokens that have bytes plus the EOS ids (what any grammar may allow), and
+    with ``named_special`` the special tokens too (for a library whose grammars can name them)."""
     ids = [i for i, b in enumerate(info.token_bytes) if b]
-    return pack_token_ids(ids, info.vocab_size, extra_ids=info.eos_token_ids)
+    extra = [*info.eos_token_ids, *(info.special_ids.values() if named_special else ())]
+    return pack_token_ids(ids, info.vocab_size, extra_ids=extra)
 
 
 @dataclass(eq=False)
@@ -101,10 +104,15 @@ class MatcherGrammar:
         into.copy_(self.current_mask(), non_blocking=True)
 
     def is_allowed(self, token_id: int) -> bool:
+        return self._bit(self.current_mask(), token_id)
+
+    def _in_base_mask(self, token_id: int) -> bool:
+        return self._bit(self.compiled.base_mask, token_id)
+
+    def _bit(self, mask: torch.Tensor, token_id: int) -> bool:
         if not 0 <= token_id < self.compiled.tokenizer_info.vocab_size:
             return False
-        word = int(self.current_mask()[token_id // 32])
-        return bool((word >> (token_id % 32)) & 1)
+        return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) when it isn't allowed."""
@@ -115,8 +123,7 @@ class MatcherGrammar:
                 return False
             self._terminated, self._mask = True, None
             return True
-        info = self.compiled.tokenizer_info
-        if not 0 <= token_id < info.vocab_size or not info.token_bytes[token_id]:
+        if not self._in_base_mask(token_id):  # no bytes and not a special token the library may name
             return False
         if not self._accept(token_id):
             return False

@@ -54,7 +54,8 @@ class LLGuidanceBackend:
     def __init__(self, info: TokenizerInfo, *, whitespace_pattern: str | None = None) -> None:
         self.info = info
         self.compiler = LLGuidanceCompiler(info, whitespace_pattern=whitespace_pattern)
-        self._base = spellable_mask(info)
+        # a grammar may name a special token (a call trigger): llguidance allows one only where it is named
+        self._base = spellable_mask(info, named_special=True)
         self.whitespace_pattern = whitespace_pattern
 
     def json_options(self) -> dict[str, Any]:

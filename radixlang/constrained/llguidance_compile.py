@@ -30,7 +30,8 @@ class _ByteTokenizer:
     def __init__(self, info: TokenizerInfo) -> None:
         self.eos_token_id = info.eos_token_ids[0]
         self.bos_token_id = None
-        # tokens without bytes are special: llguidance spells them 0xFF + a name and never matches them as text
+        # tokens without bytes are special: llguidance spells them 0xFF + a name and never matches them as text;
+        # a grammar names one by id (<[id]>, structural_tag_lark.py)
         self.tokens = [b if b else b"\xff<|special_%d|>" % i for i, b in enumerate(info.token_bytes)]
         self.special_token_ids = [i for i, b in enumerate(info.token_bytes) if not b]
         self._single = info.single_byte_ids
@@ -78,7 +79,7 @@ class LLGuidanceCompiler:
                           else prepare_schema(tag.answer_schema, self.name, "structural_tag"))
                 grammar = forced_tag_lark(replace(tag, answer_schema=answer), schemas, self.json_options())
             else:
-                grammar = block_tag_lark(tag, schemas, self.json_options())
+                grammar = block_tag_lark(tag, schemas, self.json_options(), special_ids=self.info.special_ids)
         else:
             schemas = [prepare_schema(s.schema, self.name, "structural_tag") for s in tag.structures]
             options = self.json_options()

@@ -8,12 +8,17 @@ cannot hold the trigger either (a negated lexeme), so every trigger the model wr
 that the grammar holds to the tools' schemas. With ``stop_after_first`` the one call ends the reply.
 ``bare_start`` adds a reply opening with ``{`` as a block without its prefix, and keeps free text
 from opening with ``{``.
+
+A trigger that is a special token of the tokenizer (Llama 3.1's ``<|python_tag|>``, given in
+``special_ids``) is that token, by id (``<[id]>``): the model writes it as one token, which ends the
+text before it (no lazy lexeme needed); no text may spell it out, since the parser would read that
+as a call too.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixlang.constrained.structural_tag import StructuralTagSpec, regex_literal
@@ -56,13 +61,20 @@ def forced_tag_lark(tag: StructuralTagSpec, schemas: Sequence[Any], options: dic
     return "\n".join(["start: calls | answer", f"answer: {_json(tag.answer_schema, options)}", *lines]) + "\n"
 
 
-def block_tag_lark(tag: StructuralTagSpec, schemas: Sequence[Any], options: dict[str, Any]) -> str:
-    """Free text with call blocks at the trigger (see the module docstring)."""
+def block_tag_lark(tag: StructuralTagSpec, schemas: Sequence[Any], options: dict[str, Any], *,
+                   special_ids: Mapping[str, int] | None = None) -> str:
+    """Free text with call blocks at the trigger (see the module docstring); ``special_ids``: the
+    tokenizer's special tokens by name."""
     trigger = tag.triggers[0]
     if tag.prefix and not tag.prefix.startswith(trigger):
         raise ValueError(f"invalid structural_tag grammar: the prefix {tag.prefix!r} must start with the "
                          f"trigger {trigger!r}")
     no_trigger = f"{_ANY} & ~/(.|\\n)*{_regex(trigger)}(.|\\n)*/"
+    token_id = (special_ids or {}).get(trigger)
+    if token_id is None:  # a text trigger: the lazy lexeme of the text before a block ends at the first one
+        opener, lazy, text = lark_str(trigger), "[lazy]", _ANY
+    else:  # the token ends the text before it; that text may not spell it either (the parser would read a call)
+        opener, lazy, text = f"<[{token_id}]>", "", no_trigger
     lines = ["%llguidance {}"]
     # stop_after_first: one block of one call ends the reply (as on xgrammar)
     after = "" if tag.stop_after_first else "block* TAIL"
@@ -70,14 +82,14 @@ def block_tag_lark(tag: StructuralTagSpec, schemas: Sequence[Any], options: dict
         lines += [f"start: bare | FIRST_TAIL | first_block {after}",
                   f"bare: /[ \\t\\r\\n]*/ {_repeat(tag, 'call')} {lark_str(tag.suffix)} {after}",
                   "first_block: first_trig block_rest",
-                  f"first_trig[lazy]: NB_TEXT {lark_str(trigger)}",
-                  f"NB_TEXT: {_ANY} & {_BRACE_START}",
+                  f"first_trig{lazy}: NB_TEXT {opener}",
+                  f"NB_TEXT: {text} & {_BRACE_START}",
                   f"FIRST_TAIL: {no_trigger} & {_BRACE_START}"]
     else:
         lines.append(f"start: TAIL | block {after}")
     lines += ["block: trig block_rest",
-              f"trig[lazy]: TAG_TEXT {lark_str(trigger)}",
-              f"TAG_TEXT: {_ANY}",
+              f"trig{lazy}: TAG_TEXT {opener}",
+              f"TAG_TEXT: {text}",
               f"TAIL: {no_trigger}"]
     if tag.prefix:  # the trigger lies within the prefix: the rest of the prefix, then whole calls
         lines.append(f"block_rest: {lark_str(tag.prefix[len(trigger):])} {_repeat(tag, 'call')} "

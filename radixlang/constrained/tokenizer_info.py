@@ -5,8 +5,10 @@ adds to the output. Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM2, Qwen)
 spell bytes with the GPT-2 "byte to unicode" alphabet; SentencePiece vocabularies
 (Llama 2, Mistral) spell a space as U+2581 and raw bytes as ``<0xNN>``.
 Special tokens (and ids past the tokenizer's end, when the logits are padded)
-get no bytes and are never allowed by a grammar; EOS ids are allowed only where
-the grammar accepts.
+get no bytes: a grammar never writes one as text. A named special token (Llama 3.1's
+``<|python_tag|>``) is kept by name in ``special_ids``, so that a grammar that can
+name tokens (llguidance) may allow it where a call opens; EOS ids are allowed only
+where the grammar accepts.
 """
 
 from __future__ import annotations
@@ -52,16 +54,18 @@ def decode_token(token: str, style: TokenStyle, byte_map: dict[str, int] | None 
 
 @dataclass
 class TokenizerInfo:
-    """Per token id its bytes (None = never allowed), the logits width and the EOS ids.
+    """Per token id its bytes (None = never written as text), the logits width and the EOS ids.
 
     ``token_bytes`` has exactly ``vocab_size`` entries; ``single_byte_ids[b]`` is a
-    token id that spells the single byte ``b`` (or -1), used by jump-forward.
+    token id that spells the single byte ``b`` (or -1), used by jump-forward;
+    ``special_ids`` maps the name of each special token (no bytes, not EOS) to its id.
     """
 
     vocab_size: int
     eos_token_ids: list[int]
     token_bytes: list[bytes | None] = field(repr=False)
     single_byte_ids: list[int] = field(default_factory=list, repr=False)
+    special_ids: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
@@ -76,6 +80,11 @@ class TokenizerInfo:
         # EOS ends generation; it never spells output bytes
         for eos in self.eos_token_ids:
             self.token_bytes[eos] = None
+        for name, token_id in self.special_ids.items():
+            if not 0 <= token_id < self.vocab_size or self.token_bytes[token_id] is not None:
+                raise ValueError(f"special_ids[{name!r}] must be a token id without bytes, got {token_id}")
+        # EOS ends generation wherever the grammar accepts; a grammar never names it
+        self.special_ids = {n: i for n, i in self.special_ids.items() if i not in self.eos_token_ids}
         if not self.single_byte_ids:
             single = [-1] * 256
             for i, b in enumerate(self.token_bytes):
@@ -105,12 +114,15 @@ class TokenizerInfo:
         byte_map = gpt2_unicode_to_bytes() if style == "byte_level" else None
         special = special_tokens or set()
         token_bytes: list[bytes | None] = [None] * size
+        special_ids: dict[str, int] = {}
         for token, token_id in vocab.items():
             if token in special:
+                special_ids[token] = token_id
                 continue
             data = decode_token(token, style, byte_map)
             token_bytes[token_id] = data if data else None
-        return cls(vocab_size=size, eos_token_ids=sorted(set(eos_ids)), token_bytes=token_bytes)
+        return cls(vocab_size=size, eos_token_ids=sorted(set(eos_ids)), token_bytes=token_bytes,
+                   special_ids=special_ids)
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer: Any, vocab_size: int | None = None, *,

@@ -186,3 +186,85 @@ def test_auto_tag_refuses_a_call_off_its_schema(compilers, family):
 
 def test_pythonic_has_no_auto_tag():
     assert _parser("pythonic").auto_tag(list(SCHEMAS.items()), parallel=True) is None
+
+
+# ---- a trigger that is a special token of the tokenizer (Llama 3.1's <|python_tag|>): the token opens the call ----
+PYTHON_TAG, EOM, TOOL_CALLS = "<|python_tag|>", "<|eom_id|>", "[TOOL_CALLS]"
+
+
+@pytest.fixture(scope="module")
+def special_compiler(smollm_tokenizer):
+    """llguidance over SmolLM2's vocabulary plus special tokens (no bytes), as Llama 3.1's and Mistral's have."""
+    from radixlang.constrained import GrammarCompiler
+    vocab = smollm_tokenizer.get_vocab()
+    size = max(vocab.values()) + 1
+    added = {PYTHON_TAG: size, EOM: size + 1, TOOL_CALLS: size + 2}
+    info = TokenizerInfo.from_vocab({**vocab, **added}, style="byte_level",
+                                    eos_token_ids=[smollm_tokenizer.eos_token_id], special_tokens=set(added))
+    assert info.special_ids == added  # by name; no bytes, so never text
+    assert all(info.token_bytes[i] is None for i in added.values())
+    compiler = GrammarCompiler(info, backend="llguidance", cache_size=8)
+    yield compiler, info.special_ids
+    compiler.shutdown()
+
+
+def test_special_token_trigger_opens_a_held_call(special_compiler):
+    import random
+
+    import jsonschema
+    from test_schema_fidelity import walk
+
+    compiler, special = special_compiler
+    tag = _parser("llama3").auto_tag(list(SCHEMAS.items()), parallel=False)
+    compiled = compiler.compile("structural_tag", json.dumps(tag))
+    g = compiled.new_grammar()
+    assert g.accept_text("Let me check.")
+    assert g.is_allowed(special[PYTHON_TAG]) and not g.is_allowed(special[EOM])  # the trigger, no other special
+    assert not compiled.new_grammar().accept_text("Let me check. <|python_tag|>")  # not spelled out as text
+    assert g.accept_token(special[PYTHON_TAG])
+    assert not g.is_allowed(special[PYTHON_TAG]) and not g.is_accepting()
+    head = '{"name": "'
+    assert g.copy().accept_text(head + 'clock", "parameters": {"zone": "utc"}}')
+    assert not g.copy().accept_text(head + 'clock", "parameters": {"zone": "pst"')  # the schema holds
+    assert not g.copy().accept_text(head + 'nope')  # only the tools' names
+    for seed in range(6):  # random walks after the token (no special token allowed): the call validates
+        text = "Let me check." + PYTHON_TAG + walk(g.copy(), random.Random(seed)).decode("utf-8")
+        (call,) = _parser("llama3").parse(text).calls
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_special_token_trigger_opens_each_parallel_block(special_compiler):
+    compiler, special = special_compiler
+    tag = _parser("llama3").auto_tag(list(SCHEMAS.items()), parallel=True)
+    g = compiler.compile("structural_tag", json.dumps(tag)).new_grammar()
+    assert g.accept_token(special[PYTHON_TAG])
+    assert g.accept_text('{"name": "clock", "parameters": {"zone": "utc"}}; ')  # more calls in the block
+    assert g.accept_text('{"name": "weather", "parameters": {"city": "Oslo", "n": 2}} then text ')
+    assert g.is_accepting() and g.is_allowed(special[PYTHON_TAG])  # a later block opens at the token again
+    assert g.accept_token(special[PYTHON_TAG])
+    assert not g.copy().accept_text('{"name": "clock", "parameters": {"zone": 1')
+    assert g.accept_text('{"name": "clock", "parameters": {"zone": "cet"}}') and g.is_accepting()
+
+
+def test_special_token_trigger_text_only_and_mistral(special_compiler):
+    compiler, special = special_compiler
+    llama = compiler.compile("structural_tag", json.dumps(_parser("llama3").auto_tag(list(SCHEMAS.items()),
+                                                                                     parallel=True)))
+    assert _accepts(llama, "Plain text, no call.")  # free text ends the reply as it likes
+    assert _accepts(llama, ' {"name": "clock", "parameters": {"zone": "cet"}}')  # bare_start still holds
+    # mistral: the special token, then the rest of the prefix (" [") and the calls
+    mistral = compiler.compile("structural_tag", json.dumps(_parser("mistral").auto_tag(list(SCHEMAS.items()),
+                                                                                       parallel=True)))
+    g = mistral.new_grammar()
+    assert g.accept_text("ok ") and g.accept_token(special[TOOL_CALLS])
+    assert not g.copy().accept_text(' [{"name": "clock", "arguments": {"zone": "pst"')
+    assert g.accept_text(' [{"name": "clock", "arguments": {"zone": "utc"}}]') and g.is_accepting()
+    assert not mistral.new_grammar().accept_text("ok [TOOL_CALLS] [")  # never spelled out as text
+
+
+def test_a_trigger_the_tokenizer_has_as_text_stays_text(compilers):
+    """SmolLM2 has no <|python_tag|> token: the same tag's trigger is written (and held) as text."""
+    tag = _parser("llama3").auto_tag(list(SCHEMAS.items()), parallel=False)
+    compiled = compilers["llguidance"].compile("structural_tag", json.dumps(tag))
+    assert _accepts(compiled, 'ok <|python_tag|>{"name": "clock", "parameters": {"zone": "utc"}}')
+    assert not _takes(compiled, 'ok <|python_tag|>{"name": "clock", "parameters": {"zone": "pst"')

@@ -2,8 +2,10 @@
 response_format (issue #41 item 5).
 
 Sampled at temperature 1 on a tiny random model (its tokenizer given ``<tool_call>`` as one token, so a
-logit_bias makes calls common) and on the embedded SmolLM2 (hermes calls spelled by several tokens, the
-bias on "<"): every call the parser reads back parses and validates against its tool's schema.
+logit_bias makes calls common), on one whose tokenizer has Llama 3.1's ``<|python_tag|>`` as a special
+token (the llama3 format, the call opened by that token), and on the embedded SmolLM2 (hermes calls
+spelled by several tokens, the bias on "<"): every call the parser reads back parses and validates
+against its tool's schema.
 """
 from __future__ import annotations
 
@@ -49,6 +51,27 @@ def tool_token_engine(tmp_path_factory):
         json.dump(config, f)
     engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0)
     yield engine, tok.convert_tokens_to_ids("<tool_call>")
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def python_tag_engine(tmp_path_factory):
+    """A tiny random model with a llama-3 template whose tokenizer has <|python_tag|> as a special token."""
+    from transformers import AutoTokenizer
+
+    from radixlang import Engine
+    path = make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_python_tag")))
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["vocab_size"] = 49160  # room for the added token
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0,
+                    chat_template="llama-3", tool_call_parser="llama3")
+    yield engine, tok.convert_tokens_to_ids("<|python_tag|>")
     engine.shutdown()
 
 
@@ -114,3 +137,18 @@ def test_tools_with_a_response_format_call_or_answer(tool_token_engine):
                 jsonschema.validate(json.loads(msg["content"]), ANSWER)
                 kinds.add("answer")
         assert kinds == {"call", "answer"}
+
+
+def test_a_special_token_trigger_opens_held_calls(python_tag_engine):
+    """llama3 calls opened by <|python_tag|> as a special token (refused with a 400 before): the grammar lets
+    the model write the token where free text may end, and holds the call after it to its tool's schema."""
+    engine, tag_id = python_tag_engine
+    with TestClient(create_app(EngineFront(engine))) as client:
+        calls: list[dict] = []
+        for parallel in (False, True):  # 2 x 30 sampled requests
+            got, num = _calls(client, {"n": 30, "max_tokens": 40, "logit_bias": {str(tag_id): 9.0},
+                                       "parallel_tool_calls": parallel})
+            assert num == 30
+            calls += got
+    assert len(calls) >= 10, calls  # the bias on the one-token trigger opens calls often
+    assert len({json.dumps(c) for c in calls}) >= 5  # sampled calls, not one call many times

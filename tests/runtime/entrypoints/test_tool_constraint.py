@@ -84,13 +84,33 @@ def test_tools_and_a_format_make_a_forced_tag_with_an_answer(parser):
     assert got["function"]["name"] == "get_time" and json.loads(got["function"]["arguments"]) == {}
 
 
-def test_markers_that_are_special_tokens_are_refused():
-    """A grammar never picks a special token: llama3's <|python_tag|> as one could not open a call."""
+@pytest.mark.parametrize("parser,marker", [("llama3", "<|python_tag|>"), ("mistral", "[TOOL_CALLS]")])
+def test_a_special_token_trigger_is_held_on_llguidance(parser, marker):
+    """The trigger as a special token of the tokenizer: the call block opens at that token (llguidance)."""
     req = _req()
-    with pytest.raises(RequestError, match=r"llama3.*<\|python_tag\|> are special tokens") as e:
+    tag = parse_structural_tag(auto_call_constraint(
+        _probe(parser, req), active_tools(req), tool_call_parser=parser, chat_template=None,
+        grammar_backend="llguidance", special={marker, "<|eot_id|>"}))
+    assert tag.block and tag.triggers == (marker,) and tag.prefix.startswith(marker)
+
+
+def test_a_special_token_trigger_on_xgrammar_is_refused_naming_the_backend():
+    req = _req()
+    with pytest.raises(RequestError, match=r"xgrammar.*<\|python_tag\|>.*--grammar-backend llguidance") as e:
         auto_call_constraint(_probe("llama3", req), active_tools(req), tool_call_parser="llama3", chat_template=None,
-                             grammar_backend="llguidance", special={"<|python_tag|>", "<|eot_id|>"})
+                             grammar_backend="xgrammar", special={"<|python_tag|>", "<|eot_id|>"})
     assert e.value.param == "tool_choice"
+
+
+def test_special_token_markers_beyond_the_trigger_are_refused():
+    """harmony writes special tokens inside each call and between calls: a call block takes one only as its
+    trigger."""
+    req = _req()
+    harmony = {"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|end|>", "<|return|>"}
+    with pytest.raises(RequestError, match=r"gpt-oss.*<\|call\|>.*are special tokens") as e:
+        auto_call_constraint(_probe("gpt-oss", req), active_tools(req), tool_call_parser="gpt-oss",
+                             chat_template=None, grammar_backend="llguidance", special=harmony)
+    assert e.value.param == "tool_choice" and "--disable-tool-call-constraint" in str(e.value)
     # hermes markers that are plain added tokens (Qwen's) are fine
     assert auto_call_constraint(_probe("hermes", req), active_tools(req), tool_call_parser="hermes",
                                 chat_template=None, grammar_backend="llguidance", special={"<|im_end|>"})

@@ -3,10 +3,12 @@
 - ``tool_choice: "auto"`` (or none given): the reply is free text, but once the model writes its
   format's call trigger (``<tool_call>`` for hermes ...) the rest of the call is held to the tools'
   schemas by a call-block structural tag (``ToolParser.auto_tag``), so every call the parser reads
-  back parses and validates. A format without a trigger (pythonic), a grammar backend without
-  triggered tags (outlines) and a format whose markers are special tokens of the model's tokenizer
-  (a grammar writes text: it never picks a special token) are refused with a 400 that names them;
-  ``--disable-tool-call-constraint`` goes back to parsing calls as written. A request's own grammar
+  back parses and validates. A trigger that is a special token of the model's tokenizer (Llama 3.1's
+  ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) is that token in the grammar, on llguidance, which
+  names tokens by id. Refused with a 400 that names them: a format without a trigger (pythonic), a
+  grammar backend without triggered tags (outlines), a special-token trigger on xgrammar, and a format
+  whose other markers are special tokens too (gpt-oss's harmony headers, written inside calls and
+  between them); ``--disable-tool-call-constraint`` goes back to parsing calls as written. A request's own grammar
   (regex, json_schema, ebnf, a structural_tag response_format) replaces the constraint: the caller
   chose the reply's shape.
 - tools together with a ``json_schema`` / ``json_object`` response_format: the reply is either calls
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Set
 from typing import Any
 
 from radixlang.constrained.json_regex import ANY_JSON_MARKER
@@ -55,7 +58,7 @@ def answer_constraint(probe: ChatOutput, tools: list[Tool], constraint: tuple[st
 
 
 def auto_call_constraint(probe: ChatOutput, tools: list[Tool], *, tool_call_parser: str, chat_template: str | None,
-                         grammar_backend: str, special: set[str] = frozenset()) -> str:
+                         grammar_backend: str, special: Set[str] = frozenset()) -> str:
     """The structural_tag param holding auto-mode calls; RequestError naming what cannot hold them."""
     parser = tool_call_parser if tool_call_parser != "auto" else detect(chat_template)
     how = ("start the server with --disable-tool-call-constraint to parse calls as written, or ask for a call "
@@ -64,18 +67,32 @@ def auto_call_constraint(probe: ChatOutput, tools: list[Tool], *, tool_call_pars
         raise RequestError(f"tool_choice auto holds each tool call to its schema with a triggered structural tag, "
                            f"which the {grammar_backend} grammar backend cannot run (llguidance and xgrammar "
                            f"can); {how}", "tool_choice")
-    # a grammar writes text: a special token (no bytes) is never allowed, so a format whose markers are special
-    # tokens of this tokenizer could neither open a call nor write its free text (harmony's headers)
-    markers = sorted(special & set(probe.tools.syntax if probe.tools is not None else ()))
-    if markers:
-        raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas with this tokenizer: "
-                           f"the format's markers {', '.join(markers)} are special tokens, which a grammar cannot "
-                           f"write; {how}", "tool_choice")
     tag = probe.auto_tag(_schemas(tools))
     if tag is None:
         raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas: the {parser} "
                            f"format has no start marker a grammar can wait for; {how}", "tool_choice")
+    _check_special_markers(probe, tag["triggers"][0], special, parser=parser, grammar_backend=grammar_backend,
+                           how=how)
     return json.dumps(tag)
+
+
+def _check_special_markers(probe: ChatOutput, trigger: str, special: Set[str], *, parser: str,
+                           grammar_backend: str, how: str) -> None:
+    """RequestError unless the format's markers that are special tokens of this tokenizer come down to the
+    trigger, on llguidance: only there can a grammar write a special token (see the module docstring)."""
+    markers = sorted(special & set(probe.tools.syntax if probe.tools is not None else ()))
+    if not markers:
+        return
+    if markers != [trigger]:  # harmony: special tokens in the calls' text and in the free text between them
+        raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas with this "
+                           f"tokenizer: the format's markers {', '.join(markers)} are special tokens, and a "
+                           f"call-block grammar can take a special token only as the call's trigger; {how}",
+                           "tool_choice")
+    if grammar_backend != "llguidance":
+        raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas on the "
+                           f"{grammar_backend} grammar backend: the call trigger {trigger} is a special token of "
+                           f"this tokenizer, which only llguidance grammars can name; run the server with "
+                           f"--grammar-backend llguidance, or {how}", "tool_choice")
 
 
 def _schemas(tools: list[Tool]) -> list[tuple[str, Any]]:
