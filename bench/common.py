@@ -49,13 +49,16 @@ def model_weight_bytes(model) -> int:
     (runtime/models/gguf_quant.py) count their codes, scales and offsets, not the float32 copies they keep
     for prefills (a decode step never reads those)."""
     from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.layers.linear import Linear
     from radixlang.runtime.models.packed import PackedLinear
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     prefill_only = {id(m.dense) for m in quant if m.dense is not None}
     packed = [m for m in model.modules() if isinstance(m, PackedLinear) and id(m) not in prefill_only]
     skip = set()
-    if isinstance(getattr(model, "lm_head", None), (PackedLinear, QuantLinear)) and \
-            getattr(model, "embed_tokens", None) is not None:
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Linear) and head.kernel is not None:  # a Linear serves through its method's kernel
+        head = head.kernel
+    if isinstance(head, (PackedLinear, QuantLinear)) and getattr(model, "embed_tokens", None) is not None:
         skip.add(id(model.embed_tokens.weight))
     params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
     return params + sum(m.weight_bytes() for m in packed) + sum(m.weight_q.nbytes for m in quant)

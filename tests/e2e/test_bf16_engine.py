@@ -18,8 +18,8 @@ def test_engine_bf16_scores_like_fp32(tiny_model_dir, tiny_engine):
         assert runner.model.embed_tokens.weight.dtype == torch.bfloat16
         layer = runner.model.layers[0].mlp.gate_up_proj
         # packed (oneDNN layout) in bf16 where this CPU can pack bf16 (AVX-512 BW/VL/DQ), else plain
-        assert isinstance(layer, PackedLinear) == packing_available(torch.bfloat16)
-        assert (layer.dtype if isinstance(layer, PackedLinear) else layer.weight.dtype) == torch.bfloat16
+        assert isinstance(layer.kernel, PackedLinear) == packing_available(torch.bfloat16)
+        assert (layer.kernel.dtype if isinstance(layer.kernel, PackedLinear) else layer.weight.dtype) == torch.bfloat16
         assert runner.kv_pool.get_key_buffer(0).dtype == torch.float32  # CPU attention runs in float32
         out = bf.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                           logprob_start_len=0)

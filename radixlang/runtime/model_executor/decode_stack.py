@@ -9,7 +9,8 @@ backend other than the CPU kernels'), which the layers run as before.
 
 It applies where every layer is the plain Llama layer (optionally with Qwen3's q/k norms, q/k/v biases
 and a sliding window per layer: the layer classes that declare ``fused_decode``, models/llama.py) on
-QuantLinear weights, with the compiled norms and rotary, and no
+quantized weights (each linear's ``kernel_weight``, read through its weight method:
+models/layers/linear.py), with the compiled norms and rotary, and no
 soft-capping or sinks: Llama, SmolLM, Mistral, Qwen2, Qwen3 served from a quantized GGUF or with
 ``--quantization int4``; and on float32 PackedLinears with their row-major copy (the default
 float32 CPU path) for the 1-4 row steps whose small-row matmul is the C kernel (``float32_rows``: the
@@ -27,9 +28,9 @@ import torch
 from radixlang.kernels.attention.cpu_backend import CpuAttnBackend
 from radixlang.kernels.cpu import decode_stack as ds
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_quant import KERNEL_MAX_ROWS, QuantLinear
+from radixlang.runtime.models.gguf_blocks import KERNEL_MAX_ROWS
 from radixlang.runtime.models.layers.norm import RMSNorm
-from radixlang.runtime.models.packed import SMALL_ROWS, PackedLinear
+from radixlang.runtime.models.packed import SMALL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,11 @@ def why_not(model: Any) -> str | None:
             norms += [attn.q_norm, attn.k_norm]
         if any(type(n) is not RMSNorm or not n.fused for n in norms):
             return f"layer {i}'s norms are not the compiled RMSNorm"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        kinds.add("quantized" if all(isinstance(lin, QuantLinear) for lin in linears) else
-                  "float32" if all(_float32_small(lin) for lin in linears) else
+        weights = [lin.kernel_weight() for lin in _linears(layer)]
+        found = {None if w is None else w.kind for w in weights}
+        kinds.add(found.pop() if len(found) == 1 and None not in found else
                   f"layer {i} has linears that are not quantized or packed float32 with a row-major copy "
-                  f"({', '.join(type(x).__name__ for x in linears)})")
+                  f"({', '.join(str(None if w is None else w.kind) for w in weights)})")
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         scales.add(attn.scaling)
         qk_norms.add(attn.qk_norm)
@@ -81,8 +82,9 @@ def why_not(model: Any) -> str | None:
     return None
 
 
-def _float32_small(lin: Any) -> bool:
-    return isinstance(lin, PackedLinear) and lin.plain is not None and lin.dtype == torch.float32
+def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def float32_rows(model: Any) -> set[int]:
@@ -90,8 +92,8 @@ def float32_rows(model: Any) -> set[int]:
     (``rl_linear``, which the step calls) for every linear of every layer (packed.calibrate_small_rows_)."""
     rows = set(range(1, SMALL_ROWS + 1))
     for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            rows &= {m for m in range(1, SMALL_ROWS + 1) if lin.small_kernels[m] == "c"}
+        for lin in _linears(layer):
+            rows &= lin.kernel_weight().c_rows
     return rows
 
 
@@ -107,8 +109,7 @@ class DecodeStack:
         self._pool: Any = None  # the KV pool _layers points into (its buffers are made once, with it)
         self._layers: Any = None
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
-        first = model.layers[0].self_attn.qkv_proj
-        self.float32 = not isinstance(first, QuantLinear)
+        self.float32 = model.layers[0].self_attn.qkv_proj.kernel_weight().kind == "float32"
         # rows a step may have: up to KERNEL_MAX_ROWS on quantized weights; on float32 ones, the row counts
         # whose small-row matmul is the C kernel (more rows are the packed oneDNN matmul's)
         self.rows = float32_rows(model) if self.float32 else set(range(1, KERNEL_MAX_ROWS + 1))
@@ -138,13 +139,13 @@ class DecodeStack:
                                      f"{want[1]}] per layer, got {t.dtype} {tuple(t.shape)}")
         arr = (ds.Layer * len(bufs))()
         for i, (layer, (k, v)) in enumerate(zip(self.model.layers, bufs)):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
+            weights = [lin.kernel_weight() for lin in _linears(layer)]
             arr[i] = ds.Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                               attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
                               attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
-                              *(ds.QWeight.of_float(lin.plain, lin.bias) if self.float32 else
-                                ds.QWeight.of(lin.weight_q, lin.bias)
-                                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                              *((ds.QWeight.of_float if self.float32 else ds.QWeight.of)(w.weight, w.bias)
+                                for w in weights),
                               k.data_ptr(), v.data_ptr(), attn.sliding_window or 0, int(pool.is_swa_layer(i)))
         self._pool, self._layers = pool, arr
         return arr

@@ -26,9 +26,9 @@ from radixlang.runtime.models.layers.attention_config import check_backend_featu
 from radixlang.runtime.models.layers.rotary import rope_context_length
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader.model_loader import Checkpoint, load_checkpoint, open_checkpoint, read_config
-from radixlang.runtime.models.gguf_quant import gguf_replaced_params
-from radixlang.runtime.models.packed import pack_model_
-from radixlang.runtime.models.quant import quantize_model_
+from radixlang.runtime.models.gguf_quant import gguf_replaced_params, serve_gguf_blocks_, serves_tied_logits
+from radixlang.runtime.models.layers.linear import process_weights_after_loading
+from radixlang.runtime.models.layers.weight_methods import WeightMethods
 from radixlang.runtime.model_executor.kv_sizing import (CPU_MAX_TOKENS, CUDA_MEM_FRACTION, KVPoolSize,
                                                          cpu_default_fraction, host_memory, size_kv_pool)
 from radixlang.runtime.model_executor.tp_leader import TPLeader, cuda_device_index, exit_with_parent, ranks_per_node
@@ -87,21 +87,23 @@ class ModelRunner:
 
     def _build(self, args: ServerArgs, checkpoint: Checkpoint) -> None:
         gguf = checkpoint.gguf
+        serve_blocks = args.quantization == "gguf" and gguf is not None
+        # every linear's weight method, chosen before any tensor is read (models/layers/weight_methods.py)
+        methods = WeightMethods.choose(
+            quantization=args.quantization, device=self.device, dtype=self.dtype,
+            weight_packing=not args.disable_weight_packing, cpu_kernels=not args.disable_cpu_kernels,
+            native_logits=serve_blocks and gguf is not None and serves_tied_logits(gguf))
         # a quantized GGUF's linears are replaced by its own blocks: their float32 weights are never loaded
-        deferred = ((lambda model: gguf_replaced_params(model, gguf))
-                    if args.quantization == "gguf" and gguf is not None else None)
+        deferred = (lambda model: gguf_replaced_params(model, gguf)) if serve_blocks and gguf is not None else None
         loaded = load_checkpoint(checkpoint, model_path=args.model_path, load_format=args.load_format,
                                  dtype=self.dtype, device=self.device, seed=args.random_seed,
-                                 tokenizer_path=args.tokenizer_path, tp=self.tp, deferred=deferred)
+                                 tokenizer_path=args.tokenizer_path, tp=self.tp, methods=methods, deferred=deferred)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
-        if args.quantization:
-            quantize_model_(self.model, args.quantization, self.device,
-                            gguf_file=gguf,
-                            prefill_copies=not args.disable_weight_packing,
-                            prefill_copy_bytes=int(PREFILL_COPY_SHARE * host_memory()[1]))
-        if args.quantization in (None, "gguf") and self.device == "cpu" and not args.disable_weight_packing:
-            packed = pack_model_(self.model, keep_plain=not args.disable_cpu_kernels)
-            logger.info("packed %d linear layers into oneDNN's layout", packed)
+        if args.quantization == "gguf":
+            serve_gguf_blocks_(self.model, gguf, prefill_copies=not args.disable_weight_packing,
+                               prefill_copy_bytes=int(PREFILL_COPY_SHARE * host_memory()[1]))
+        processed = process_weights_after_loading(self.model)
+        logger.info("linear weight methods: %s", ", ".join(f"{n} {name}" for name, n in sorted(processed.items())))
         # the fused CPU decode step: every step is offered to it first (run_step), where the model's layers
         # declare it (DecoderLayer.fused_decode)
         self.decode_stack: DecodeStack | None = None

@@ -23,6 +23,7 @@ from radixlang.runtime.models.layers.mla import MLAttention, deinterleave_rope_r
 from radixlang.runtime.models.layers.moe import Experts, MoEBlock, route_softmax_grouped
 from radixlang.runtime.models.layers.rotary import rope_tables
 from radixlang.runtime.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import TPComm, shard_tensor
 
 _LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
@@ -49,7 +50,7 @@ class Router(nn.Module):
 class DeepseekMoE(MoEBlock):
     sigmoid_routing = False  # V3
 
-    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
         """Under ``tp`` the router is replicated (every rank routes alike), each expert and the shared
         experts hold this rank's slice of their intermediate features, as a dense MLP does."""
         super().__init__()
@@ -61,7 +62,7 @@ class DeepseekMoE(MoEBlock):
         self.experts = Experts(num_experts, hidden, config.moe_intermediate_size, act.act,
                                act_is_silu=act.act_name == "silu", tp=tp)
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
-        self.shared_experts = (MLP(config, tp, intermediate_size=config.moe_intermediate_size * shared)
+        self.shared_experts = (MLP(config, tp, intermediate_size=config.moe_intermediate_size * shared, methods=methods)
                                if shared else None)
         self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
@@ -94,8 +95,9 @@ class DeepseekV2DecoderLayer(DecoderLayer):
     attention_cls = MLAttention
     moe_cls: type[DeepseekMoE] = DeepseekMoE
 
-    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
-        return self.moe_cls(config, tp) if is_moe_layer(config, layer_id) else MLP(config, tp)
+    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None, methods: WeightMethods) -> nn.Module:
+        return (self.moe_cls(config, tp, methods) if is_moe_layer(config, layer_id)
+                else MLP(config, tp, methods=methods))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -10,12 +10,13 @@ import torch
 from radixlang.runtime.models.layers.norm import RMSNorm, unit_offset_weight
 from radixlang.runtime.models.layers.rotary import Rotary
 from radixlang.runtime.models.llama import DecoderLayer, LlamaForCausalLM
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import TPComm
 
 
 class Gemma2DecoderLayer(DecoderLayer):
-    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
-        super().__init__(config, layer_id, tp)
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
+        super().__init__(config, layer_id, tp, methods)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,15 +1,19 @@
 """A GGUF tensor's quantized blocks decoded into the layouts the quantized kernels read
 (kernels/cpu/quant.py; the table of types is in models/gguf_quant.py): integer codes [rows, cols] and
 float32 scales and offsets per group [rows, cols / group], and ``DecodedBlocks``, one tensor's decoded
-arrays with the row and column slices tensor parallelism takes of them."""
+arrays with the row and column slices tensor parallelism takes of them; ``QuantLinear``, a linear over one
+such weight (a GGUF's blocks, or ``--quantization int4``'s codes: models/quant.py)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
+from radixlang.runtime.models.layers.linear import KernelWeight
 
 LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
@@ -135,3 +139,42 @@ class DecodedBlocks(NamedTuple):
     def weight(self) -> qk.QuantWeight:
         return to_quant_weight(self.kind, np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
                                np.ascontiguousarray(self.offset), self.group)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W a QuantWeight; float32 in and out."""
+
+    def __init__(self, weight: qk.QuantWeight, bias: torch.Tensor | None, source_type: str) -> None:
+        super().__init__()
+        self.weight_q = weight.interleave()  # the layout this CPU's kernels read fastest
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.source_type = source_type
+        self.dense: nn.Module | None = None  # see add_prefill_copies_
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.source_type} as {self.weight_q.layout}"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return qk.dequantize(self.weight_q)
+
+    def kernel_weight(self) -> KernelWeight:
+        """The weight as the fused decode step reads it (model_executor/decode_stack.py)."""
+        return KernelWeight("quantized", self.weight_q, self.bias)
+
+    def float32_weight(self) -> None:
+        """No plain float32 weight is kept (layers/moe.py folds only those into its kernel)."""
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = qk.linear(x2, self.weight_q, self.bias)
+        elif self.dense is not None:
+            y = self.dense(x2)
+        else:
+            y = F.linear(x2, qk.dequantize(self.weight_q), self.bias)
+        return y.to(x.dtype).view(*lead, self.out_features)

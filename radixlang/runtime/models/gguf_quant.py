@@ -49,49 +49,18 @@ import logging
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks,
-                                                  decode_tensor)
+from radixlang.runtime.models.gguf_blocks import (LAYOUTS, NATIVE_TYPES, DecodedBlocks,
+                                                  QuantLinear, decode_tensor)
 from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
+from radixlang.runtime.models.layers.linear import Linear
 from radixlang.runtime.models.parallel import TPComm, column_part_rows, padded_vocab
 
 logger = logging.getLogger(__name__)
 
-
-
-class QuantLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W a QuantWeight; float32 in and out."""
-
-    def __init__(self, weight: qk.QuantWeight, bias: torch.Tensor | None, source_type: str) -> None:
-        super().__init__()
-        self.weight_q = weight.interleave()  # the layout this CPU's kernels read fastest
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.source_type = source_type
-        self.dense: nn.Module | None = None  # see add_prefill_copies_
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.source_type} as {self.weight_q.layout}"
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return qk.dequantize(self.weight_q)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        if x2.shape[0] <= KERNEL_MAX_ROWS:
-            y = qk.linear(x2, self.weight_q, self.bias)
-        elif self.dense is not None:
-            y = self.dense(x2)
-        else:
-            y = F.linear(x2, qk.dequantize(self.weight_q), self.bias)
-        return y.to(x.dtype).view(*lead, self.out_features)
 
 
 def add_prefill_copies_(model: nn.Module, *, max_bytes: int | None = None) -> int:
@@ -150,6 +119,26 @@ _REPLICATED = ("q_a", "kv_a")
 # 16 for Q6_K) and the int8-activation kernels' groups of 32 (kernels/cpu/quant.py) are then the same
 # groups as on one rank, so each rank's partial sums are the single-rank sums' terms
 TP_INPUT_ALIGN = 32
+
+
+def serve_gguf_blocks_(model: nn.Module, gguf_file: GGUFFile | None, *, prefill_copies: bool,
+                       prefill_copy_bytes: int | None) -> dict[str, int]:
+    """``--quantization gguf``: the linears ``gguf_replaced_params`` left unloaded served from the blocks of
+    ``gguf_file`` (the file the model was loaded from, its header read once per start); ``prefill_copies``:
+    plus a packed float32 copy per layer for prefills unless they would exceed ``prefill_copy_bytes``."""
+    if gguf_file is None:
+        raise ValueError("quantization 'gguf' needs a .gguf model file, got a checkpoint of another format")
+    swapped = apply_gguf_quantization_(model, gguf_file)
+    if prefill_copies:
+        add_prefill_copies_(model, max_bytes=prefill_copy_bytes)
+    return swapped
+
+
+def serves_tied_logits(gguf_file: GGUFFile) -> bool:
+    """Whether a tied model's logits will be served from the file's blocks (``apply_gguf_quantization_``
+    takes output.weight, else token_embd.weight, of a native type): then they need no float copy."""
+    return any(t.name in ("output.weight", "token_embd.weight") and t.tensor_type.name in NATIVE_TYPES
+               for t in gguf_file.tensors)
 
 
 def gguf_file_types(path: str) -> dict[str, str]:
@@ -282,7 +271,7 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
         kinds = {t.tensor_type.name for t in got}
         rows = _part_rows(model, got, held) if tuple(p for h in held for p in h) == order else None
         cols = int(got[0].shape[0])
-        if rows is None or not isinstance(old, nn.Linear) or \
+        if rows is None or not isinstance(old, Linear) or \
                 tuple(old.weight.shape) != _rank_shape(model, target, rows, cols):
             kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
         elif len({LAYOUTS[k] for k in kinds}) != 1:  # a fused projection: one layout

@@ -17,12 +17,14 @@ from torch import nn
 
 from radixlang.runtime.models.layers.moe import dispatch, route_topk_softmax
 from radixlang.runtime.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
 
 class GptOssAttention(Attention):
-    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
-        super().__init__(config, layer_id, tp)
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
+        super().__init__(config, layer_id, tp, methods)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))  # [num_heads] logits, read by the backend
 
 
@@ -55,10 +57,11 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config: Any, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
         super().__init__()
         self.top_k, self.tp = config.num_experts_per_tok, tp
-        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)  # replicated
+        self.router = Linear(config.hidden_size, config.num_local_experts, bias=True,  # replicated
+                             method=methods.linear(config.hidden_size))
         self.experts = GptOssExperts(config, tp)
         self.fused = False  # no dense sliced path (see llama.DecoderLayer)
 
@@ -72,8 +75,8 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(DecoderLayer):
     attention_cls = GptOssAttention
 
-    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
-        return GptOssMoE(config, tp)
+    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None, methods: WeightMethods) -> nn.Module:
+        return GptOssMoE(config, tp, methods)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

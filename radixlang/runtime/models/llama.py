@@ -9,7 +9,8 @@ q/k/v and gate/up are fused into one matmul each: on a CPU at batch 1 the
 number of ops per layer matters as much as their size. With a tensor-parallel
 group (``tp``), each rank holds its heads and its slice of the MLP and vocabulary
 (models/parallel.py) and ``load_weights`` takes the rank's slice of each tensor;
-without one the layers are the plain torch modules.
+without one the layers are whole. Every projection is a ``Linear`` built with the weight method
+``methods`` gives it (layers/linear.py, layers/weight_methods.py), chosen before loading.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from torch import nn
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
+from radixlang.runtime.models.layers.linear import Linear
 from radixlang.runtime.models.layers.moe import Experts, MoEBlock, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_rotary_factor,
                                                     length_rows, rope_context_length, rope_switch_point,
                                                     rope_tables)
@@ -41,10 +44,13 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
         split_evenly(config.moe_intermediate_size, tp_size, "expert intermediate features")
 
 
-def _row_linear(in_features: int, out_features: int, tp: TPComm | None, *, bias: bool = False) -> nn.Linear:
+def row_linear(in_features: int, out_features: int, tp: TPComm | None, methods: WeightMethods, *,
+               bias: bool = False) -> Linear:
+    """An output projection: whole without tensor parallelism, else row-parallel over the ranks."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, tp=tp, bias=bias)
+        return Linear(in_features, out_features, bias=bias, method=methods.linear(in_features))
+    return RowParallelLinear(in_features, out_features, tp=tp, bias=bias,
+                             method=methods.row_parallel(in_features // tp.size))
 
 
 _apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel with
@@ -53,7 +59,7 @@ _apply_rope = apply_rope  # the name tests/kernels compare the compiled kernel w
 class Attention(nn.Module):
     qk_norm = False  # Qwen3, Gemma3: RMSNorm over each head of q and of k before the rotation
 
-    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
         super().__init__()
         self.layer_id = layer_id
         total_heads = config.num_attention_heads
@@ -69,8 +75,9 @@ class Attention(nn.Module):
         # Qwen2 (qkv_bias in Qwen2-MoE's config) biases q/k/v only; attention_bias also biases o_proj
         o_bias = bool(getattr(config, "attention_bias", False))
         bias = o_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = _row_linear(total_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
+                               method=methods.linear(config.hidden_size))
+        self.o_proj = row_linear(total_heads * self.head_dim, config.hidden_size, tp, methods, bias=o_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -109,12 +116,13 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _g
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, tp: TPComm | None = None, *, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: Any, tp: TPComm | None = None, *, intermediate_size: int | None = None,
+                 methods: WeightMethods = PLAIN) -> None:
         super().__init__()
         full = intermediate_size or config.intermediate_size
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = _row_linear(full, config.hidden_size, tp)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, method=methods.linear(config.hidden_size))
+        self.down_proj = row_linear(full, config.hidden_size, tp, methods)
         # under tensor parallelism down_proj is row-parallel (float, or a GGUF's blocks: gguf_quant) and
         # gives this rank's term of its sum
         self.row_parallel = tp is not None
@@ -153,17 +161,17 @@ class DecoderLayer(nn.Module):
         super().__init_subclass__(**kwargs)
         cls.fused_decode = bool(cls.__dict__.get("fused_decode", False))
 
-    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_id, tp)
-        self.mlp = self.make_mlp(config, layer_id, tp)
+        self.self_attn = self.attention_cls(config, layer_id, tp, methods)
+        self.mlp = self.make_mlp(config, layer_id, tp, methods)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.row_slices = tp is None  # see forward (tensor parallel would all-reduce once per slice)
 
-    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None) -> nn.Module:
+    def make_mlp(self, config: Any, layer_id: int, tp: TPComm | None, methods: WeightMethods) -> nn.Module:
         """The layer's feed-forward block (the MoE families return their sparse block)."""
-        return MLP(config, tp)
+        return MLP(config, tp, methods=methods)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary,
                 forward_batch: Any, keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
     deferred_params: frozenset[str] = frozenset()
 
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 tp: TPComm | None = None) -> None:
+                 tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
+        """``methods``: every linear's weight method (layers/weight_methods.py), chosen before loading."""
         super().__init__()
         self.config = config
         self.tp = tp
@@ -211,13 +220,15 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = (nn.Embedding(vocab, hidden) if tp is None
                                  else VocabParallelEmbedding(vocab, hidden, tp=tp))
-            self.layers = nn.ModuleList(self.layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
+            self.layers = nn.ModuleList(self.layer_cls(config, i, tp, methods) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            # tied: the logits read the embedding table, or a copy of it in the methods' own format
+            self.lm_head: nn.Module | None
             if self.tie_word_embeddings:
-                self.lm_head = None
+                self.lm_head = methods.head(self.embed_tokens) if tp is None else None
             else:
-                self.lm_head = (nn.Linear(hidden, vocab, bias=False) if tp is None
+                self.lm_head = (Linear(hidden, vocab, method=methods.linear(hidden)) if tp is None
                                 else ParallelLMHead(vocab, hidden, tp=tp))
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -362,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = self.checkpoint_tensor(name, tensor)
             if load_expert_weight(name, tensor, params, seen, self.tp):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             parts = name.split(".")
             if self.tp is not None and len(parts) >= 2:
@@ -440,14 +451,17 @@ def materialize_(module: nn.Module, dtype: torch.dtype, device: str | torch.devi
     """Give every parameter still on the meta device uninitialised storage of its final dtype (``dtype``
     for floating-point ones) on ``device``, and move the other parameters and buffers there. The storage
     is filled by ``load_weights``, which refuses a checkpoint that leaves any parameter unset."""
+    made: dict[int, nn.Parameter] = {}  # a parameter two modules share (a tied head's table) stays shared
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is None:
                 continue
-            dt = dtype if p.is_floating_point() else p.dtype
-            data = (torch.empty(p.shape, dtype=dt, device=device) if p.is_meta
-                    else p.detach().to(device=device, dtype=dt))
-            m._parameters[name] = nn.Parameter(data, requires_grad=False)
+            if id(p) not in made:
+                dt = dtype if p.is_floating_point() else p.dtype
+                data = (torch.empty(p.shape, dtype=dt, device=device) if p.is_meta
+                        else p.detach().to(device=device, dtype=dt))
+                made[id(p)] = nn.Parameter(data, requires_grad=False)
+            m._parameters[name] = made[id(p)]
         for name, b in list(m._buffers.items()):
             if b is not None:
                 m._buffers[name] = b.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)

@@ -8,10 +8,11 @@ of linears: float32 at 1 row 20 ms against 40 ms for ``F.linear``, at 32 rows 48
 87 ms, at 600 rows 0.69 s against 0.97 s; bfloat16 at 1 row 14.5 ms against 25.6 ms.
 
 The packed weight is opaque (an mkldnn-layout tensor): only its matmul can read it. So packing
-runs once, after the weights are loaded; with tied embeddings the logits projection gets its own
+runs once, after the weights are loaded, as the linears' weight method (layers/weight_methods.py:
+``PackedMethod``, chosen before loading); with tied embeddings the logits projection gets its own
 packed copy (the embedding lookup keeps the plain table), which costs vocab x hidden more weight
 memory and halves the logits matmul. The ops are PyTorch's own (the ones its compiler's CPU
-freezing pass uses); where they are missing the model keeps plain ``nn.Linear``.
+freezing pass uses); where they are missing the linears keep the plain float method.
 
 At a few rows oneDNN's matmul still reads the weights at only about half the memory
 bandwidth. With radixlang's CPU kernels on (the default), float32 layers also keep their row-major
@@ -176,41 +177,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
 
 
-def pack_model_(model: nn.Module, *, keep_plain: bool = False) -> int:
-    """Replace the model's plain nn.Linear layers (and the tied logits projection) in place.
-
-    Returns how many layers were packed; 0 when packing is unavailable or the weights are not
-    float32/bfloat16 on the CPU (bfloat16 only where this CPU can pack it: ``packing_available``).
-    Tensor-parallel row layers (subclasses) keep F.linear.
-    ``keep_plain``: float32 layers keep their row-major weight too, for decode steps of at most
-    SMALL_ROWS rows on the C kernel (the tied logits use the embedding table itself).
-    """
-    dtypes = _packable_dtypes()
-    if not dtypes:
-        logger.info("oneDNN weight packing is unavailable in this PyTorch build; linears stay plain")
-        return 0
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
-                setattr(module, name, PackedLinear.from_linear(child, keep_plain=keep_plain))
-                count += 1
-    embed = getattr(model, "embed_tokens", None)
-    if (count and getattr(model, "lm_head", "absent") is None and type(embed) is nn.Embedding
-            and embed.weight.dtype in dtypes):
-        model.lm_head = PackedLinear(embed.weight, None, keep_plain=keep_plain)  # tied: a packed copy for the logits
-        count += 1
-    warmed = set()
-    for m in model.modules():  # kernels are cached per weight shape: one layer of each shape compiles them
-        if isinstance(m, PackedLinear) and (
-                key := (m.out_features, m.in_features, m.dtype, m.bias is None)) not in warmed:
-            warmed.add(key)
-            m.warm_up()
-    if keep_plain:
-        calibrate_small_rows_(model)
-    return count
-
-
 def pick_small_row_kernels(times: dict[int, dict[str, float]]) -> list[str]:
     """From seconds per row count and kernel, the kernel each row count runs: the fastest, unless the C
     kernel is within CALIBRATE_MARGIN of it (then the C kernel). Index m of the list is m rows."""
@@ -222,9 +188,9 @@ def pick_small_row_kernels(times: dict[int, dict[str, float]]) -> list[str]:
     return picks
 
 
-def calibrate_small_rows_(model: nn.Module, *, min_bytes: int | None = None, stream_bytes: int | None = None,
-                          repeats: int = 3) -> list[str] | None:
-    """Time SMALL_ROW_KERNELS on the model's float32 PackedLinears that kept their row-major weight, for 1 to
+def calibrate_small_rows_(kernels: list[PackedLinear], *, min_bytes: int | None = None,
+                          stream_bytes: int | None = None, repeats: int = 3) -> list[str] | None:
+    """Time SMALL_ROW_KERNELS on a model's float32 PackedLinears that kept their row-major weight, for 1 to
     SMALL_ROWS rows, and set every such layer to the fastest per row count (``pick_small_row_kernels``).
 
     Each timing runs one step over layers holding at least ``stream_bytes`` of weights (all of them in a
@@ -234,7 +200,7 @@ def calibrate_small_rows_(model: nn.Module, *, min_bytes: int | None = None, str
     m rows."""
     min_bytes = CALIBRATE_MIN_BYTES if min_bytes is None else min_bytes
     stream_bytes = CALIBRATE_BYTES if stream_bytes is None else stream_bytes
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+    layers = [m for m in kernels if m.plain is not None]
     total = sum(m.weight_bytes() for m in layers)
     if not layers or total < min_bytes:
         return None

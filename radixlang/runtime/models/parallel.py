@@ -2,7 +2,7 @@
 
 Megatron-style splits of the Llama block:
 - column-parallel (fused q/k/v, fused gate/up): each rank owns some output features (its heads,
-  its slice of the MLP) and needs no communication; it is a plain ``nn.Linear`` of the local size,
+  its slice of the MLP) and needs no communication; it is a ``Linear`` of the local size,
   sharded at load time by ``shard_tensor``;
 - row-parallel (o_proj, down_proj): each rank owns some input features, computes a partial sum,
   and the ranks all-reduce it;
@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlang.runtime.models.layers.linear import Linear, LinearMethod
 
 
 class TPComm(Protocol):
@@ -100,21 +102,25 @@ def shard_vocab(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return rows
 
 
-class RowParallelLinear(nn.Linear):
-    """y = x W^T summed over ranks: each rank holds ``in_features / size`` input columns of W."""
+class RowParallelLinear(Linear):
+    """y = x W^T summed over ranks: each rank holds ``in_features / size`` input columns of W. Its method
+    (the plain float one: WeightMethods.row_parallel) multiplies without the bias, which is whole on every
+    rank and added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TPComm, bias: bool = False) -> None:
-        super().__init__(split_evenly(in_features, tp.size, "input features"), out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int, *, tp: TPComm, bias: bool = False,
+                 method: LinearMethod | None = None) -> None:
+        super().__init__(split_evenly(in_features, tp.size, "input features"), out_features, bias=bias,
+                         method=method)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [n, in_features / size] -> [n, out_features]; the bias is added once, after the sum
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        # x [n, in_features / size] -> [n, out_features]
+        y = self.tp.all_reduce(self.method.apply(self, x, with_bias=False))
         return y if self.bias is None else y + self.bias
 
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of ``forward`` (the bias in rank 0's): the caller all-reduces."""
-        y = F.linear(x, self.weight)
+        y = self.method.apply(self, x, with_bias=False)
         return y if self.bias is None or self.tp.rank != 0 else y + self.bias
 
 

@@ -1,7 +1,7 @@
 """Weight-only int8 quantization for the CPU (``--quantization int8``).
 
 Every linear layer of the decoder, and the logits projection (a separate int8
-copy when the embeddings are tied), keeps its weight as int8 with one
+copy when the embeddings are tied), keeps its weight (layers/weight_methods.py: ``Int8Method``) as int8 with one
 symmetric scale per output channel. The matmul runs in PyTorch's
 ``_weight_int8pack_mm`` with bfloat16 activations, which streams a quarter
 of the fp32 weight bytes: batch-1 decode is bound by those bytes on a CPU.
@@ -15,9 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlang.runtime.models.loader.gguf_file import GGUFFile
-
-QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: the GGUF file's own blocks (models/gguf_quant.py)
 # up to this many rows the int8 kernel wins; past it, dequantizing the weight to bfloat16 once per
 # call and running a bfloat16 matmul is several times faster (measured on this CPU: 3x at 1,000 rows)
 GEMV_MAX_ROWS = 32
@@ -32,10 +29,6 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = w.shape
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
-        return cls(linear.weight, linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
@@ -53,14 +46,14 @@ class Int8WeightOnlyLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def int4_linear(linear: nn.Module, group: int = 32) -> nn.Module:
-    """``--quantization int4``: a float linear's weight in 4-bit codes per group of 32 input features with a
+def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None, group: int = 32) -> nn.Module:
+    """``--quantization int4``: a float weight [out, in] in 4-bit codes per group of 32 input features with a
     float32 scale and minimum each (w ~ q * scale + min, q in 0..15, rounded to nearest), run by the same
     kernels as a GGUF's Q4_1 blocks (models/gguf_quant.QuantLinear). Lossy."""
     from radixlang.kernels.cpu import quant as qk
-    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.gguf_blocks import QuantLinear
 
-    w = linear.weight.detach().float()
+    w = weight.detach().float()
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 needs in_features divisible by {group}, got {k}")
@@ -69,44 +62,4 @@ def int4_linear(linear: nn.Module, group: int = 32) -> nn.Module:
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    weight = qk.QuantWeight("q4", codes, scale.contiguous(), lo.contiguous(), group, n, k)
-    return QuantLinear(weight, getattr(linear, "bias", None), "int4")
-
-
-def _tied(model: nn.Module, make) -> nn.Module:
-    """The quantized logits projection of tied embeddings (a linear over the embedding table)."""
-    lin = nn.Linear(1, 1, bias=False)
-    lin.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
-    lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
-    return make(lin)
-
-
-def quantize_model_(model: nn.Module, method: str, device: str, *, gguf_file: GGUFFile | None = None,
-                    prefill_copies: bool = False, prefill_copy_bytes: int | None = None) -> nn.Module:
-    """Replace the model's linear layers (and its logits projection) in place. ``gguf``: with the
-    quantized blocks of ``gguf_file``, the file the model was loaded from (its header read once per
-    start: loader/model_loader.open_checkpoint); ``prefill_copies``: plus a packed float32 copy per
-    layer for prefills, unless they would exceed ``prefill_copy_bytes`` (gguf_quant.add_prefill_copies_)."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
-    if device != "cpu":
-        raise ValueError(f"quantization {method!r} is implemented for the CPU only, got device {device!r}")
-    if method == "gguf":
-        from radixlang.runtime.models.gguf_quant import add_prefill_copies_, apply_gguf_quantization_
-        if gguf_file is None:
-            raise ValueError("quantization 'gguf' needs a .gguf model file, got a checkpoint of another format")
-        apply_gguf_quantization_(model, gguf_file)
-        if prefill_copies:
-            add_prefill_copies_(model, max_bytes=prefill_copy_bytes)
-        return model
-    make = Int8WeightOnlyLinear.from_linear if method == "int8" else int4_linear
-    # int4 groups 32 input features; torch's int8 matmul crashed (segfault) at 2+ rows on widths that are
-    # not a multiple of 16 (8, 24, 40, 56 here): a linear with another width stays float
-    fits = (lambda k: k % 16 == 0) if method == "int8" else (lambda k: k % 32 == 0)
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and fits(child.in_features):
-                setattr(module, child_name, make(child))
-    if getattr(model, "lm_head", "absent") is None and fits(model.embed_tokens.weight.shape[1]):
-        model.lm_head = _tied(model, make)  # tied embeddings: the logits get their own quantized copy
-    return model
+    return QuantLinear(qk.QuantWeight("q4", codes, scale.contiguous(), lo.contiguous(), group, n, k), bias, "int4")

@@ -372,7 +372,9 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     with Engine(**kw) as quantized:
         model = quantized.scheduler.runner.model
         layer = model.layers[0]
-        assert type(layer.self_attn.qkv_proj) is torch.nn.Linear  # mixed: kept float32, and loaded
+        from radixlang.runtime.models.layers.linear import Linear, LinearMethod
+        qkv = layer.self_attn.qkv_proj
+        assert type(qkv) is Linear and type(qkv.method) is LinearMethod  # mixed: kept float32 (plain), and loaded
         assert not layer.self_attn.qkv_proj.weight.is_meta and layer.self_attn.qkv_proj.weight.abs().sum() > 0
         assert {type(m).__name__ for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)} \
             == {"QuantLinear"}

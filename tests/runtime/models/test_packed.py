@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from tiny_model import tied_toy_model
 
 from radixlang.kernels import cpu as cpu_ops
-from radixlang.runtime.models.packed import PackedLinear, pack_model_, packing_available
+from radixlang.runtime.models.layers.linear import LinearMethod, process_weights_after_loading
+from radixlang.runtime.models.layers.weight_methods import PackedMethod, WeightMethods
+from radixlang.runtime.models.packed import PackedLinear, packing_available
+from weight_toys import tied_toy
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN weight packing")
 
@@ -54,31 +56,38 @@ def test_packed_linear_refuses_other_dtypes():
 
 
 def test_bf16_packs_only_where_the_cpu_can(monkeypatch):
-    """An AVX2-only CPU cannot pack bfloat16: its linears stay plain nn.Linear and still run."""
+    """An AVX2-only CPU cannot pack bfloat16: its linears keep the plain float method and still run."""
     from radixlang.runtime.models import packed as packed_mod
     monkeypatch.setattr(packed_mod, "_PACKABLE", (torch.float32,))
-    m = nn.Sequential(nn.Linear(16, 8).to(torch.bfloat16))
-    assert pack_model_(m) == 0 and type(m[0]) is nn.Linear
+    choose = dict(quantization=None, device="cpu", weight_packing=True, cpu_kernels=True)
+    m = tied_toy(WeightMethods.choose(dtype=torch.bfloat16, **choose), torch.bfloat16)
+    assert process_weights_after_loading(m) == {"plain": 2} and type(m.block[0].method) is LinearMethod
+    assert m.lm_head is None and m.block(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="cannot pack a torch.bfloat16"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
-    m32 = nn.Sequential(nn.Linear(16, 8))
-    assert pack_model_(m32) == 1 and isinstance(m32[0], PackedLinear)
+    m32 = tied_toy(WeightMethods.choose(dtype=torch.float32, **choose))
+    assert process_weights_after_loading(m32) == {"packed": 3} and isinstance(m32.block[0].kernel, PackedLinear)
 
 
-def test_pack_model_replaces_linears_and_ties_logits():
+def test_packed_method_keeps_its_layers_and_ties_logits():
     torch.manual_seed(0)
-    m = tied_toy_model()
+    m = tied_toy(WeightMethods("packed", keep_plain=True, tied_head=True))
+    layers = [m.block[0], m.block[2], m.lm_head]
     x = torch.randn(4, 16)
     with torch.inference_mode():
-        ref_hidden = m.block(x)
+        w0, b0, w2, b2 = (t.detach().clone() for t in (m.block[0].weight, m.block[0].bias, m.block[2].weight,
+                                                       m.block[2].bias))
+        ref_hidden = nn.functional.linear(torch.relu(nn.functional.linear(x, w0, b0)), w2, b2)
         ref_logits = nn.functional.linear(ref_hidden, m.embed_tokens.weight)
-    assert pack_model_(m, keep_plain=True) == 3
-    assert isinstance(m.block[0], PackedLinear) and isinstance(m.block[2], PackedLinear)
-    assert isinstance(m.lm_head, PackedLinear) and m.lm_head.out_features == 50
-    assert not any(type(x) is nn.Linear for x in m.modules())
-    assert isinstance(m.embed_tokens, nn.Embedding)  # the lookup keeps the plain table
+    assert m.lm_head.weight is m.embed_tokens.weight  # the head loads nothing of its own
+    assert process_weights_after_loading(m) == {"packed": 3}
+    assert [m.block[0], m.block[2], m.lm_head] == layers  # no module replaced: each holds its kernel
+    assert all(isinstance(x.method, PackedMethod) and isinstance(x.kernel, PackedLinear) for x in layers)
+    assert m.lm_head.kernel.out_features == 50
+    assert all(x.weight is None for x in layers)  # the float parameters were released into the kernels
+    assert isinstance(m.embed_tokens, nn.Embedding) and m.embed_tokens.weight is not None  # the lookup's table
     if cpu_ops.available():  # small batches of logits read the embedding table itself
-        assert m.lm_head.plain.data_ptr() == m.embed_tokens.weight.data_ptr()
+        assert m.lm_head.kernel.plain.data_ptr() == m.embed_tokens.weight.data_ptr()
     with torch.inference_mode():
         hidden = m.block(x)
         torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
@@ -90,13 +99,14 @@ def test_pack_model_replaces_linears_and_ties_logits():
 def test_engine_packed_matches_plain(tiny_model_dir, tiny_engine):
     from radixlang import Engine
     runner = tiny_engine.scheduler.runner
-    assert isinstance(runner.model.layers[0].self_attn.qkv_proj, PackedLinear)  # the default on the CPU
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj.kernel, PackedLinear)  # the default on the CPU
     prompts = [list(range(5, 45)), list(range(5, 30)) + [3, 4]]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     packed = tiny_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
     with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048,
                 disable_weight_packing=True) as plain:
-        assert type(plain.scheduler.runner.model.layers[0].self_attn.qkv_proj) is nn.Linear
+        qkv = plain.scheduler.runner.model.layers[0].self_attn.qkv_proj
+        assert type(qkv.method) is LinearMethod and qkv.kernel is None
         ref = plain.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
     for a, b in zip(packed, ref):
         assert a["output_ids"] == b["output_ids"]
@@ -138,16 +148,17 @@ def test_each_small_row_kernel_matches_linear_and_is_the_one_that_runs(kernel, m
 def test_calibration_sets_every_kept_layer_and_skips_small_models():
     from radixlang.runtime.models.packed import SMALL_ROW_KERNELS, calibrate_small_rows_
     torch.manual_seed(0)
-    m = tied_toy_model()
-    pack_model_(m, keep_plain=True)  # a toy model: under CALIBRATE_MIN_BYTES, so no calibration
+    m = tied_toy(WeightMethods("packed", keep_plain=True, tied_head=True))
+    process_weights_after_loading(m)  # a toy model: under CALIBRATE_MIN_BYTES, so no calibration
     layers = [x for x in m.modules() if isinstance(x, PackedLinear)]
-    assert all(x.small_kernels[1:] == ["c"] * 4 for x in layers)
-    assert calibrate_small_rows_(m) is None
-    picks = calibrate_small_rows_(m, min_bytes=0, repeats=1)
+    assert len(layers) == 3 and all(x.small_kernels[1:] == ["c"] * 4 for x in layers)
+    assert calibrate_small_rows_(layers) is None
+    picks = calibrate_small_rows_(layers, min_bytes=0, repeats=1)
     assert picks is not None and set(picks) <= set(SMALL_ROW_KERNELS)
     assert all(x.small_kernels is picks for x in layers)
     x = torch.randn(2, 16)
     with torch.inference_mode():  # whatever was picked computes the same layer
+        first, second = m.block[0].kernel, m.block[2].kernel
         torch.testing.assert_close(m.block(x), nn.functional.linear(
-            torch.relu(nn.functional.linear(x, m.block[0].plain, m.block[0].bias)),
-            m.block[2].plain, m.block[2].bias), rtol=1e-5, atol=1e-5)
+            torch.relu(nn.functional.linear(x, first.plain, first.bias)), second.plain, second.bias),
+            rtol=1e-5, atol=1e-5)

@@ -4,17 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from tiny_model import tied_toy_model
+from weight_toys import tied_toy
 
 from radixlang.runtime.server_args import ServerArgs
-from radixlang.runtime.models.quant import Int8WeightOnlyLinear, quantize_model_
+from radixlang.runtime.models.layers.linear import LinearMethod, process_weights_after_loading
+from radixlang.runtime.models.layers.weight_methods import Int4Method, Int8Method, WeightMethods
+from radixlang.runtime.models.quant import Int8WeightOnlyLinear
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_fp32(bias):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias)
-    q = Int8WeightOnlyLinear.from_linear(lin)
+    q = Int8WeightOnlyLinear(lin.weight, lin.bias)
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == (200, 96)
     # within one quantization step of the original, per output channel: half a step of rounding,
     # plus the bfloat16 scale's rounding (2^-9 relative) over up to 127 steps
@@ -31,18 +33,22 @@ def test_int8_linear_matches_fp32(bias):
         assert 0 < rel < 0.02, rel  # lossy (bfloat16 activations, int8 weights), but close
 
 
-def test_quantize_model_replaces_every_linear_and_ties_logits():
-    m = quantize_model_(tied_toy_model(), "int8", "cpu")
-    assert isinstance(m.block[0], Int8WeightOnlyLinear) and isinstance(m.block[2], Int8WeightOnlyLinear)
-    assert isinstance(m.lm_head, Int8WeightOnlyLinear) and m.lm_head.out_features == 50
-    assert not any(isinstance(x, nn.Linear) for x in m.modules())
+def test_int8_method_quantizes_every_linear_and_ties_logits():
+    m = tied_toy(WeightMethods.choose(quantization="int8", device="cpu", dtype=torch.float32, weight_packing=True,
+                                      cpu_kernels=True))
+    assert process_weights_after_loading(m) == {"int8": 3}
+    assert isinstance(m.block[0].kernel, Int8WeightOnlyLinear) and isinstance(m.block[2].kernel, Int8WeightOnlyLinear)
+    assert isinstance(m.lm_head.kernel, Int8WeightOnlyLinear) and m.lm_head.kernel.out_features == 50
+    assert not any(p.dtype == torch.float32 for layer in (m.block[0], m.block[2], m.lm_head)
+                   for p in layer.parameters(recurse=False))  # the float weights were released
 
 
 def test_bad_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServerArgs(quantization="int3")
     with pytest.raises(ValueError, match="CPU only"):
-        quantize_model_(nn.Linear(2, 2), "int8", "cuda")
+        WeightMethods.choose(quantization="int8", device="cuda", dtype=torch.float32, weight_packing=True,
+                             cpu_kernels=True)
 
 
 @pytest.mark.e2e
@@ -53,7 +59,7 @@ def test_engine_int8_scores_like_fp32(tiny_model_dir, tiny_engine):
     ref = tiny_engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=0)
     with Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=2048, quantization="int8") as q8:
         runner = q8.scheduler.runner
-        assert isinstance(runner.model.layers[0].mlp.gate_up_proj, Int8WeightOnlyLinear)
+        assert isinstance(runner.model.layers[0].mlp.gate_up_proj.kernel, Int8WeightOnlyLinear)
         out = q8.generate(input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=0)
         gen = q8.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0})
         assert gen["meta_info"]["completion_tokens"] == 8
@@ -73,7 +79,7 @@ def test_int4_linear_is_close_and_runs_on_the_q4_kernel():
         pytest.skip("no C compiler for the quantized kernels")
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=True)
-    q = int4_linear(lin)
+    q = int4_linear(lin.weight, lin.bias)
     assert isinstance(q, QuantLinear) and q.weight_q.layout == "q4" and q.weight_q.codes.shape == (200, 48)
     # each weight within half a step of its group's 16 levels (plus float rounding)
     g = lin.weight.detach().view(200, 3, 32)
@@ -85,15 +91,23 @@ def test_int4_linear_is_close_and_runs_on_the_q4_kernel():
         ref, out = lin(x), q(x)
     rel = (out - ref).norm() / ref.norm()
     assert 0 < rel < 0.1, rel
-    m = quantize_model_(tied_toy_model(), "int4", "cpu")  # 16 input features do not fill a group of 32
-    assert isinstance(m.block[2], QuantLinear) and type(m.block[0]) is nn.Linear and m.lm_head is None
+    m = tied_toy(WeightMethods("int4", tied_head=True))  # 16 input features do not fill a group of 32
+    process_weights_after_loading(m)
+    assert isinstance(m.block[2].method, Int4Method) and isinstance(m.block[2].kernel, QuantLinear)
+    assert type(m.block[0].method) is LinearMethod and m.lm_head is None
 
 
 def test_int8_leaves_widths_its_kernel_cannot_take_in_float():
     """torch's int8 matmul crashed at 2+ rows on an input width that is not a multiple of 16 (MLA's small
     q_lora_rank in the tiny DeepSeek checkpoints): such a linear stays float."""
-    model = nn.Sequential(nn.Linear(24, 144), nn.Linear(144, 32))
-    quantize_model_(model, "int8", "cpu")
-    assert type(model[0]) is nn.Linear and isinstance(model[1], Int8WeightOnlyLinear)
+    from radixlang.runtime.models.layers.linear import Linear
+    methods = WeightMethods("int8")
+    model = nn.Sequential(Linear(24, 144, bias=True, method=methods.linear(24)),
+                          Linear(144, 32, bias=True, method=methods.linear(144)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    process_weights_after_loading(model)
+    assert type(model[0].method) is LinearMethod and isinstance(model[1].method, Int8Method)
     with torch.inference_mode():
         assert model(torch.randn(3, 24)).shape == (3, 32)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from radixlang.kernels.attention.base import layer_features
 
 
@@ -24,16 +22,16 @@ def layer_sliding_window(config: Any, layer_id: int) -> int | None:
     return int(window) if kinds[layer_id] == "sliding_attention" else None
 
 
-def attention_features(model: nn.Module) -> frozenset[str]:
-    """Every optional attention feature (sliding window, soft-cap, sinks) some layer of the model uses."""
+def attention_features(model: Any) -> frozenset[str]:
+    """Every optional attention feature (sliding window, soft-cap, sinks, MLA) some layer of the model uses
+    (each decoder layer's ``self_attn``)."""
     found: set[str] = set()
-    for m in model.modules():
-        if hasattr(m, "layer_id") and hasattr(m, "scaling"):
-            found |= layer_features(m)
+    for layer in model.layers:
+        found |= layer_features(layer.self_attn)
     return frozenset(found)
 
 
-def check_backend_features(model: nn.Module, backend: Any, backend_name: str) -> None:
+def check_backend_features(model: Any, backend: Any, backend_name: str) -> None:
     """A ValueError naming the feature and the backend when the backend cannot serve the model."""
     missing = attention_features(model) - frozenset(getattr(backend, "supported_features", ()))
     if missing:

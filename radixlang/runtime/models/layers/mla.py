@@ -33,6 +33,8 @@ from torch import nn
 
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, rope_parameters
+from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import RowParallelLinear, TPComm, split_evenly
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm keep their default eps, not rms_norm_eps
@@ -84,7 +86,7 @@ class MLAttention(nn.Module):
     kv_b_proj, o_proj). Without q_lora_rank the checkpoint's q_proj loads as q_b_proj over the hidden
     state. With ``tp``, this rank's heads only (see the module docstring)."""
 
-    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None) -> None:
+    def __init__(self, config: Any, layer_id: int, tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
         super().__init__()
         self.layer_id = layer_id
         hidden, total_heads = config.hidden_size, config.num_attention_heads
@@ -101,14 +103,16 @@ class MLAttention(nn.Module):
         self.scaling = mla_softmax_scale(config)
         bias = bool(getattr(config, "attention_bias", False))
         q_rank = getattr(config, "q_lora_rank", None)
-        self.q_a_proj = nn.Linear(hidden, q_rank, bias=bias) if q_rank else None
+        self.q_a_proj = Linear(hidden, q_rank, bias=bias, method=methods.linear(hidden)) if q_rank else None
         self.q_a_layernorm = RMSNorm(q_rank, LATENT_NORM_EPS) if q_rank else None
-        self.q_b_proj = nn.Linear(q_rank or hidden, heads * (self.nope + self.rope_dim), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.q_b_proj = Linear(q_rank or hidden, heads * (self.nope + self.rope_dim),
+                               method=methods.linear(q_rank or hidden))
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=bias, method=methods.linear(hidden))
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(heads, self.nope, self.v_dim, self.rank)
-        self.o_proj = (nn.Linear(heads * self.v_dim, hidden, bias=bias) if tp is None
-                       else RowParallelLinear(total_heads * self.v_dim, hidden, tp=tp, bias=bias))
+        self.o_proj = (Linear(heads * self.v_dim, hidden, bias=bias, method=methods.linear(heads * self.v_dim))
+                       if tp is None else RowParallelLinear(total_heads * self.v_dim, hidden, tp=tp, bias=bias,
+                                                            method=methods.row_parallel(heads * self.v_dim)))
 
     def attend(self, x: torch.Tensor, rope: Rotary, forward_batch: Any) -> torch.Tensor:
         """Everything but the output projection: x [n, hidden] -> [n, heads * v_head_dim]."""

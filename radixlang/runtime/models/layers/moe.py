@@ -30,7 +30,8 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels import fused_moe
-from radixlang.runtime.models.packed import PackedLinear
+from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
 # checkpoint names of one expert's tensors: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
@@ -105,10 +106,10 @@ class DenseSwiGLU(Protocol):
     intermediate width, the activation's name, and this rank's term of its output."""
 
     @property
-    def gate_up_proj(self) -> nn.Module: ...
+    def gate_up_proj(self) -> Linear: ...
 
     @property
-    def down_proj(self) -> nn.Module: ...
+    def down_proj(self) -> Linear: ...
 
     @property
     def inter(self) -> int: ...
@@ -266,15 +267,17 @@ class SparseMoE(MoEBlock):
 
     def __init__(self, config: Any, *, num_experts: int, top_k: int, inter: int, renormalize: bool,
                  act: Callable[[torch.Tensor], torch.Tensor], act_is_silu: bool,
-                 shared_expert: DenseSwiGLU | None = None, tp: TPComm | None = None) -> None:
+                 shared_expert: DenseSwiGLU | None = None, tp: TPComm | None = None,
+                 methods: WeightMethods = PLAIN) -> None:
         """``shared_expert`` is built for the same ``tp`` (a dense MLP that sums over the ranks itself)."""
         super().__init__()
         hidden = config.hidden_size
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # replicated: every rank routes alike
+        self.gate = Linear(hidden, num_experts, method=methods.linear(hidden))  # replicated: every rank routes alike
         self.experts = Experts(num_experts, hidden, inter, act, act_is_silu=act_is_silu, tp=tp)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
+        self.shared_expert_gate = (Linear(hidden, 1, method=methods.linear(hidden)) if shared_expert is not None
+                                   else None)
         self.tp = tp
         self.fused = False  # the decoder layer's sliced path is for dense MLPs (see llama.DecoderLayer)
         self.shared_folded = False  # pack_experts_: the shared expert runs inside the experts' kernel
@@ -297,15 +300,10 @@ class SparseMoE(MoEBlock):
             self.shared_expert, self.shared_folded = None, True
 
 
-def _plain_weight(linear: nn.Module) -> torch.Tensor | None:
+def _plain_weight(linear: Linear) -> torch.Tensor | None:
     """A bias-free linear's float32 row-major weight (a packed linear's kept plain copy), else None."""
-    if isinstance(linear, PackedLinear):
-        w, bias = linear.plain, linear.bias
-    elif isinstance(linear, nn.Linear):
-        w, bias = linear.weight.detach(), linear.bias
-    else:
-        return None
-    return w if bias is None and w is not None and w.dtype == torch.float32 else None
+    kept = linear.float32_weight()
+    return kept[0] if kept is not None and kept[1] is None else None
 
 
 def _shared_parts(mlp: DenseSwiGLU, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor] | None:

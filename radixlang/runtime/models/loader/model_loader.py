@@ -26,6 +26,7 @@ from radixlang.runtime.models.loader.gguf_convert import ensure_converted, gguf_
 from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.loader.gguf_weights import gguf_weights
 from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, expert_param_name
+from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.llama import unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
@@ -154,8 +155,10 @@ def load_model(model_path: str | None, *, load_format: str = "auto", dtype: torc
 def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_format: str = "auto",
                     dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                     tokenizer_path: str | None = None, tp: TPComm | None = None,
+                    methods: WeightMethods = PLAIN,
                     deferred: Callable[[nn.Module], set[str]] | None = None) -> LoadedModel:
-    """``load_model`` of a checkpoint already opened. ``deferred(model)`` names parameters to leave
+    """``load_model`` of a checkpoint already opened, its linears built with ``methods`` (processed by the
+    caller: layers/linear.process_weights_after_loading). ``deferred(model)`` names parameters to leave
     unloaded (on the meta device), because the caller replaces their modules right after (a quantized
     GGUF's linears)."""
     from transformers import AutoTokenizer
@@ -165,7 +168,7 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
     # every EOS id ends a reply: generation_config.json often lists more than config.json (Llama 3, Gemma 3)
     config.eos_token_id = merged_eos_ids(config.eos_token_id, folder)
     cls = model_class(config)
-    model = cls(config, dtype=dtype, device=device, tp=tp)
+    model = cls(config, dtype=dtype, device=device, tp=tp, methods=methods)
     if deferred is not None:
         model.deferred_params = frozenset(deferred(model))
     if load_format == "dummy":

@@ -1,0 +1,124 @@
+"""Linear layers that take their weight method at construction, as vLLM's ``LinearMethod`` does.
+
+A family file builds every projection as ``Linear(in, out, method=methods.linear(in))`` on the meta device;
+``methods`` (a ``WeightMethods``, chosen once per start from the server's options and the checkpoint:
+layers/weight_methods.py) says how each one stores and multiplies its weight. The layer never changes
+class: a method creates the float parameters the checkpoint loads into (``create_weights``), turns them
+into its own storage once every tensor is in (``process_after_loading``: oneDNN packing, int8 / int4
+codes; the result is the layer's ``kernel`` child, the float parameters are released), and runs the
+matmul (``apply``). ``process_weights_after_loading`` does that for a whole model, then lets each method
+class finish the model at once (warm-ups, calibration over every layer of its kind).
+
+``kernel_weight`` and ``float32_weight`` are what other rooms read through a method instead of probing
+the layer's type: the fused CPU decode step (model_executor/decode_stack.py) takes the compiled kernels'
+weights, the MoE kernel folds a shared expert's plain float32 weights into its experts (layers/moe.py).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KernelWeight(NamedTuple):
+    """A weight as the fused decode step reads it: ``kind`` "quantized" (``weight`` a kernels/cpu/quant.py
+    QuantWeight) or "float32" (a row-major [out, in] tensor; ``c_rows``: the row counts its small-row
+    matmul runs on the C kernel), and the float32 bias or None."""
+    kind: str
+    weight: object
+    bias: torch.Tensor | None
+    c_rows: frozenset[int] = frozenset()
+
+
+class LinearMethod:
+    """How one linear holds and multiplies its weight; this base is the plain float method (``F.linear``
+    on the loaded parameters). A subclass is a weight format: it overrides ``process_after_loading`` (build
+    its storage from the loaded float parameters) and ``apply``, and registers in weight_methods.py."""
+
+    name = "plain"
+
+    def create_weights(self, layer: Linear, *, bias: bool) -> None:
+        """The parameters the checkpoint loads into: weight [out, in], bias [out] (on the device context the
+        model is built under: the meta device until ``materialize_``)."""
+        layer.register_parameter("weight", nn.Parameter(torch.empty(layer.out_features, layer.in_features),
+                                                        requires_grad=False))
+        layer.register_parameter("bias", nn.Parameter(torch.empty(layer.out_features), requires_grad=False)
+                                 if bias else None)
+
+    def process_after_loading(self, layer: Linear) -> None:
+        """Turn the loaded parameters into this method's storage (the plain method keeps them)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, *, with_bias: bool = True) -> torch.Tensor:
+        """x [..., in] -> [..., out], the bias added unless ``with_bias`` is False (a row-parallel layer adds
+        it after the ranks' sum; only this plain method serves those)."""
+        return F.linear(x, layer.weight, layer.bias if with_bias else None)
+
+    def kernel_weight(self, layer: Linear) -> KernelWeight | None:
+        """The weight as the fused decode step reads it; None: the step cannot run this method."""
+        return None
+
+    def float32_weight(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(row-major float32 weight [out, in], bias) where the method keeps one, else None."""
+        w = layer.weight
+        return (w.detach(), layer.bias) if w is not None and w.dtype == torch.float32 else None
+
+    @classmethod
+    def finish_model(cls, layers: list[Linear]) -> None:
+        """After every layer of this method was processed: work over all of them at once (none here)."""
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, W stored and multiplied by ``method`` (a fresh instance per layer: it holds the
+    layer's storage choices)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 method: LinearMethod | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method if method is not None else LinearMethod()
+        self.weight: nn.Parameter | None
+        self.bias: nn.Parameter | None
+        self.kernel: nn.Module | None = None  # the method's storage after loading (process_after_loading)
+        self.method.create_weights(self, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def release_float_weights(self) -> None:
+        """Drop the loaded float parameters once the method's own storage holds the weight (a tied head's
+        weight stays the embedding table's: only this layer's reference goes)."""
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+
+    def kernel_weight(self) -> KernelWeight | None:
+        return self.method.kernel_weight(self)
+
+    def float32_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return self.method.float32_weight(self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method.name}"
+
+
+def tied_head(embedding: nn.Embedding, method: LinearMethod) -> Linear:
+    """The logits projection of tied embeddings under a method of its own: its weight parameter is the
+    embedding table itself (loaded once, as ``embed_tokens.weight``), which ``method`` turns into its copy."""
+    vocab, hidden = embedding.weight.shape
+    head = Linear(hidden, vocab, method=method)
+    head.weight = embedding.weight
+    return head
+
+
+def process_weights_after_loading(model: nn.Module) -> dict[str, int]:
+    """Every linear's ``process_after_loading``, then each method class's ``finish_model`` over its layers.
+    Returns method name -> layers."""
+    by_method: dict[type[LinearMethod], list[Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.method.process_after_loading(m)
+            by_method.setdefault(type(m.method), []).append(m)
+    for cls, layers in by_method.items():
+        cls.finish_model(layers)
+    return {cls.name: len(layers) for cls, layers in by_method.items()}
