@@ -15,7 +15,6 @@ same messages and replies a scheduler process exchanges over its sockets.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from typing import Any, Callable
@@ -72,9 +71,7 @@ class SchedulerThread:
     def report(self) -> SchedulerReady:
         """What a scheduler process sends the launcher once it is ready (after ``wait_built``)."""
         sched = self.wait_built()
-        return SchedulerReady(replica=self.index, pid=os.getpid(), server_args=sched.args.to_dict(),
-                              model_path=sched.runner.model_path, tokenizer_path=sched.runner.tokenizer_path,
-                              kv_pool_size=sched.kv_pool.size, model_dir=sched.runner.model_dir)
+        return sched.ready_report(self.index)
 
     def add_request(self, req: TokenizedGenerateReq) -> None:
         """Queue a request (returns at once); a refusal comes back through ``deliver``."""

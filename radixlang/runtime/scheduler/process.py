@@ -68,10 +68,7 @@ def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
     ipc = IpcNames(ipc_folder)
     loop = SchedulerLoop(scheduler, recv=pull_socket(ctx, ipc.scheduler(replica)),
                          send=push_socket(ctx, ipc.detokenizer), parent=parent)
-    runner = scheduler.runner
-    ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(), server_args=scheduler.args.to_dict(),
-                                           model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
-                                           kv_pool_size=scheduler.kv_pool.size, model_dir=runner.model_dir)))
+    ready.send_bytes(encode(scheduler.ready_report(replica)))
     ready.close()
     _run_loop(loop, failed)
 

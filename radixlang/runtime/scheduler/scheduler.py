@@ -14,6 +14,7 @@ Its parts live beside it: ``kv_slots`` (a request's KV slots: admit, reserve, re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -25,8 +26,8 @@ from radixlang.runtime.errors import RequestError
 from radixlang.runtime.scheduler.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
 from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
-from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, TokenizedGenerateReq,
-                                         check_embedding_match)
+from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, SchedulerReady,
+                                         TokenizedGenerateReq, check_embedding_match)
 from radixlang.runtime.scheduler.kv_slots import KVSlots
 from radixlang.runtime.scheduler.pooled_step import add_pooled, pooled_rows
 from radixlang.runtime.scheduler.request_checks import token_budget
@@ -158,6 +159,13 @@ class Scheduler:
                 req.finished_reason = FinishReason.abort("aborted by request")
 
     # ---- the loop ------------------------------------------------------------------------
+    def ready_report(self, replica: int) -> SchedulerReady:
+        """What this replica tells the request front once it is built (the same from a process or a thread)."""
+        runner = self.runner
+        return SchedulerReady(replica=replica, pid=os.getpid(), server_args=self.args.to_dict(),
+                              model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
+                              kv_pool_size=self.kv_pool.size, model_dir=runner.model_dir)
+
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
 
