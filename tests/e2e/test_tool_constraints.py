@@ -34,44 +34,41 @@ ANSWER = {"type": "object", "properties": {"reply": {"enum": ["yes", "no"]}}, "r
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def tool_token_engine(tmp_path_factory):
-    """A tiny random model whose tokenizer spells <tool_call> and </tool_call> as single tokens."""
+def _engine_with_tokens(tmp_path_factory, name: str, add, marker: str, **engine_args):
+    """A tiny random model whose tokenizer ``add`` grew (room made in the vocabulary), and the id of ``marker``."""
     from transformers import AutoTokenizer
 
     from radixlang import Engine
-    path = make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_tool_token")))
+    path = make_tiny_model_dir(str(tmp_path_factory.mktemp(name)))
     tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    add(tok)
     tok.save_pretrained(path)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config["vocab_size"] = 49160  # room for the added tokens
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0)
-    yield engine, tok.convert_tokens_to_ids("<tool_call>")
+    engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0, **engine_args)
+    return engine, tok.convert_tokens_to_ids(marker)
+
+
+@pytest.fixture(scope="module")
+def tool_token_engine(tmp_path_factory):
+    """A tiny random model whose tokenizer spells <tool_call> and </tool_call> as single tokens."""
+    engine, marker = _engine_with_tokens(tmp_path_factory, "tiny_tool_token",
+                                         lambda tok: tok.add_tokens(["<tool_call>", "</tool_call>"]), "<tool_call>")
+    yield engine, marker
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def python_tag_engine(tmp_path_factory):
     """A tiny random model with a llama-3 template whose tokenizer has <|python_tag|> as a special token."""
-    from transformers import AutoTokenizer
-
-    from radixlang import Engine
-    path = make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_python_tag")))
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["vocab_size"] = 49160  # room for the added token
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0,
-                    chat_template="llama-3", tool_call_parser="llama3")
-    yield engine, tok.convert_tokens_to_ids("<|python_tag|>")
+    engine, marker = _engine_with_tokens(
+        tmp_path_factory, "tiny_python_tag",
+        lambda tok: tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]}), "<|python_tag|>",
+        chat_template="llama-3", tool_call_parser="llama3")
+    yield engine, marker
     engine.shutdown()
 
 
