@@ -15,6 +15,7 @@ import llguidance as llg
 from llguidance.gbnf_to_lark import any_to_lark
 
 from radixlang.constrained.errors import one_line
+from radixlang.constrained.harmony_lark import harmony_tag_lark
 from radixlang.constrained.schema_policy import prepare_schema
 from radixlang.constrained.structural_tag import parse_structural_tag
 from radixlang.constrained.structural_tag_lark import block_tag_lark, forced_tag_lark
@@ -78,6 +79,9 @@ class LLGuidanceCompiler:
                 answer = (None if tag.answer_schema is None
                           else prepare_schema(tag.answer_schema, self.name, "structural_tag"))
                 grammar = forced_tag_lark(replace(tag, answer_schema=answer), schemas, self.json_options())
+            elif tag.harmony:
+                grammar = harmony_tag_lark(tag, schemas, self.json_options(), special_ids=self.info.special_ids,
+                                           eos_names=self.info.eos_names)
             else:
                 grammar = block_tag_lark(tag, schemas, self.json_options(), special_ids=self.info.special_ids)
         else:

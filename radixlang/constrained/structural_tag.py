@@ -27,6 +27,12 @@ the block, ``prefix`` + structures joined by ``separator`` + ``suffix``, then fr
 ``stop_after_first``: one call in one block, which ends the reply). ``bare_start: true`` also makes
 a reply that opens (after whitespace) with ``{`` a block without its prefix (llama3's bare JSON calls),
 so free text never opens with ``{``; only llguidance can write that.
+
+``harmony: true`` on a call block (gpt-oss, whose harmony markers are special tokens) makes the free
+text harmony messages (``<|channel|>analysis|commentary|final<|message|>BODY<|end|>``, the next one
+after ``separator``), and a call a commentary message whose header goes on with a structure's
+``begin`` (from the trigger ``to=functions.`` on); a marker that is a special token of the tokenizer is
+that token, one that is an EOS id ends the reply there (constrained/harmony_lark.py; llguidance only).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class StructuralTagSpec:
     answer_schema: Any = None  # forced only: the reply may instead be one JSON value of this schema
     block: bool = False  # triggered only: a call block (prefix, structures joined by separator, suffix)
     bare_start: bool = False  # block only: a reply opening with "{" is a block without its prefix
+    harmony: bool = False  # block only: the free text is harmony messages (see the module docstring)
 
     def trigger_of(self, structure: Structure) -> str:
         """The longest trigger ``structure.begin`` starts with."""
@@ -82,11 +89,12 @@ def parse_structural_tag(spec: str | dict) -> StructuralTagSpec:
             raise _fail(f"must be valid JSON: {e}") from None
     if not isinstance(spec, dict):
         raise _fail(f"must be a JSON object, got {type(spec).__name__}")
-    unknown = set(spec) - {"type", "structures", "triggers", "answer_schema", "bare_start", *_FORCED_FIELDS}
+    unknown = set(spec) - {"type", "structures", "triggers", "answer_schema", "bare_start", "harmony",
+                           *_FORCED_FIELDS}
     if unknown:
         raise _fail(f"unknown field(s) {sorted(unknown)}: expected type, structures, triggers "
                     f"(and for a forced tag {', '.join(_FORCED_FIELDS)}, answer_schema; for a call block "
-                    f"{', '.join(_BLOCK_FIELDS)}, bare_start)")
+                    f"{', '.join(_BLOCK_FIELDS)}, bare_start, harmony)")
     if spec.get("type", "structural_tag") != "structural_tag":
         raise _fail(f"type must be 'structural_tag', got {spec.get('type')!r}")
     forced = spec.get("forced", False)
@@ -98,6 +106,8 @@ def parse_structural_tag(spec: str | dict) -> StructuralTagSpec:
         raise _fail("answer_schema needs forced: true")
     if "bare_start" in spec and (forced or not block or not isinstance(spec["bare_start"], bool)):
         raise _fail("bare_start must be a bool, on a call block (prefix / separator / suffix without forced)")
+    if "harmony" in spec and (forced or not block or not isinstance(spec["harmony"], bool)):
+        raise _fail("harmony must be a bool, on a call block (prefix / separator / suffix without forced)")
     structures, triggers = spec.get("structures"), spec.get("triggers", [] if forced else None)
     if not isinstance(structures, list) or not structures:
         raise _fail("structures must be a non-empty list of {begin, schema, end}")
@@ -121,7 +131,8 @@ def parse_structural_tag(spec: str | dict) -> StructuralTagSpec:
         out.append(Structure(begin, schema, end))
     answer = _schema(spec["answer_schema"], "answer_schema") if "answer_schema" in spec else None
     return StructuralTagSpec(tuple(out), tuple(triggers), forced=forced, answer_schema=answer, block=block,
-                             bare_start=bool(spec.get("bare_start", False)), **extra)
+                             bare_start=bool(spec.get("bare_start", False)), harmony=bool(spec.get("harmony", False)),
+                             **extra)
 
 
 def _schema(schema: Any, where: str) -> Any:
@@ -164,6 +175,8 @@ def normalize_structural_tag(spec: str | dict) -> str:
             out["answer_schema"] = parsed.answer_schema
     if parsed.bare_start:
         out["bare_start"] = True
+    if parsed.harmony:
+        out["harmony"] = True
     return json.dumps(out, sort_keys=True, ensure_ascii=False)
 
 

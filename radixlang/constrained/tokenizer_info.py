@@ -58,7 +58,9 @@ class TokenizerInfo:
 
     ``token_bytes`` has exactly ``vocab_size`` entries; ``single_byte_ids[b]`` is a
     token id that spells the single byte ``b`` (or -1), used by jump-forward;
-    ``special_ids`` maps the name of each special token (no bytes, not EOS) to its id.
+    ``special_ids`` maps the name of each special token (no bytes, not EOS) to its id, and
+    ``eos_names`` the name of each special token that is an EOS id (harmony's ``<|call|>``): a grammar
+    never names one, it ends where that token may follow.
     """
 
     vocab_size: int
@@ -66,6 +68,7 @@ class TokenizerInfo:
     token_bytes: list[bytes | None] = field(repr=False)
     single_byte_ids: list[int] = field(default_factory=list, repr=False)
     special_ids: dict[str, int] = field(default_factory=dict, repr=False)
+    eos_names: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
@@ -84,6 +87,8 @@ class TokenizerInfo:
             if not 0 <= token_id < self.vocab_size or self.token_bytes[token_id] is not None:
                 raise ValueError(f"special_ids[{name!r}] must be a token id without bytes, got {token_id}")
         # EOS ends generation wherever the grammar accepts; a grammar never names it
+        self.eos_names = {**self.eos_names,
+                          **{n: i for n, i in self.special_ids.items() if i in self.eos_token_ids}}
         self.special_ids = {n: i for n, i in self.special_ids.items() if i not in self.eos_token_ids}
         if not self.single_byte_ids:
             single = [-1] * 256

@@ -274,3 +274,59 @@ def test_the_server_process_serves_embeddings(st_dirs, references):
         got = client.embeddings.create(model="default", input=TEXTS, encoding_format="float")
         assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200
     assert min(cosines([d.embedding for d in got.data], reference(references, "lasttoken", TEXTS))) >= COSINE
+
+
+@pytest.fixture(scope="module")
+def headless_dir(tmp_path_factory) -> str:
+    """An e5-mistral style checkpoint: a LlamaModel with untied embeddings, saved (by sentence-transformers,
+    through transformers) without any lm_head, last-token pooled."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    root = tmp_path_factory.mktemp("headless")
+    base = make_tiny_safetensors_dir(str(root / "base"), tie=False, seed=3)
+    os.remove(os.path.join(base, "chat_template.jinja"))
+    path = str(root / "st")
+    SentenceTransformer(modules=[Transformer(base), Pooling(HIDDEN, "lasttoken"), Normalize()]).save(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaModel"] and config["tie_word_embeddings"] is False
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        assert not any("lm_head" in name for name in f.keys())
+    return path
+
+
+def test_an_untied_checkpoint_without_a_head_serves_embeddings(headless_dir):
+    """--is-embedding needs no lm_head: the pooled hidden states match sentence-transformers."""
+    from sentence_transformers import SentenceTransformer
+
+    from radixlang import Engine
+    want = SentenceTransformer(headless_dir, device="cpu").encode(TEXTS, batch_size=1, convert_to_tensor=True)
+    engine = Engine(model_path=headless_dir, is_embedding=True, max_total_tokens=2048, dtype="float32")
+    try:
+        with TestClient(create_app(EngineFront(engine))) as http:
+            got = openai_client(http).embeddings.create(model="default", input=TEXTS, encoding_format="float")
+    finally:
+        engine.shutdown()
+    assert min(cosines([d.embedding for d in got.data], want.float().cpu())) >= COSINE
+
+
+def test_a_checkpoint_without_a_head_cannot_generate(headless_dir, tmp_path):
+    """Loaded for generation, the missing head is named before any tensor is read (not a crash deep in
+    loading); loaded without saying, a sentence-transformers folder loads headless and its logits name it,
+    and the same weights without modules.json are refused."""
+    import shutil
+
+    from radixlang.runtime.models.loader.model_loader import load_checkpoint, open_checkpoint
+    with pytest.raises(ValueError, match=r"no lm_head\.weight.*--is-embedding"):
+        load_checkpoint(open_checkpoint(headless_dir), model_path=headless_dir, embedding=False)
+    model = load_checkpoint(open_checkpoint(headless_dir), model_path=headless_dir).model
+    with pytest.raises(RuntimeError, match=r"lm_head\.weight.*--is-embedding"):
+        model.compute_logits(torch.zeros(1, HIDDEN))
+    bare = str(tmp_path / "bare")
+    shutil.copytree(headless_dir, bare)
+    os.remove(os.path.join(bare, "modules.json"))
+    with pytest.raises(ValueError, match=r"no lm_head\.weight"):
+        load_checkpoint(open_checkpoint(bare), model_path=bare)
+    assert load_checkpoint(open_checkpoint(bare), model_path=bare, embedding=True).model.headless

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -34,8 +35,10 @@ ANSWER = {"type": "object", "properties": {"reply": {"enum": ["yes", "no"]}}, "r
           "additionalProperties": False}
 
 
-def _engine_with_tokens(tmp_path_factory, name: str, add, marker: str, **engine_args):
-    """A tiny random model whose tokenizer ``add`` grew (room made in the vocabulary), and the id of ``marker``."""
+def _engine_with_tokens(tmp_path_factory, name: str, add, marker: str, *, eos: tuple[str, ...] = (),
+                        template: str | None = None, **engine_args):
+    """A tiny random model whose tokenizer ``add`` grew (room made in the vocabulary), and the id of ``marker``;
+    ``eos``: added tokens that are EOS ids too; ``template``: the chat template's text."""
     from transformers import AutoTokenizer
 
     from radixlang import Engine
@@ -43,9 +46,15 @@ def _engine_with_tokens(tmp_path_factory, name: str, add, marker: str, **engine_
     tok = AutoTokenizer.from_pretrained(path)
     add(tok)
     tok.save_pretrained(path)
+    if template is not None:
+        with open(os.path.join(path, "harmony.jinja"), "w") as f:
+            f.write(template)
+        engine_args["chat_template"] = os.path.join(path, "harmony.jinja")
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config["vocab_size"] = 49160  # room for the added tokens
+    if eos:
+        config["eos_token_id"] = [config["eos_token_id"], *tok.convert_tokens_to_ids(list(eos))]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     engine = Engine(model_path=path, load_format="dummy", max_total_tokens=16384, random_seed=0, **engine_args)
@@ -69,6 +78,24 @@ def python_tag_engine(tmp_path_factory):
         lambda tok: tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]}), "<|python_tag|>",
         chat_template="llama-3", tool_call_parser="llama3")
     yield engine, marker
+    engine.shutdown()
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+# gpt-oss's framing: each message <|start|>ROLE<|message|>...<|end|>, the reply opened by <|start|>assistant
+HARMONY_TEMPLATE = ("{%- for m in messages -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor -%}"
+                    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def harmony_engine(tmp_path_factory):
+    """A tiny random model with gpt-oss's harmony markers as special tokens, <|call|> and <|return|> EOS ids
+    (as gpt-oss's generation config lists them), a harmony template and both gpt-oss parsers."""
+    engine, end_id = _engine_with_tokens(
+        tmp_path_factory, "tiny_harmony", lambda tok: tok.add_special_tokens({"additional_special_tokens": HARMONY}),
+        "<|end|>", eos=("<|call|>", "<|return|>"), template=HARMONY_TEMPLATE, tool_call_parser="gpt-oss",
+        reasoning_parser="gpt-oss")
+    yield engine, end_id
     engine.shutdown()
 
 
@@ -102,10 +129,12 @@ def test_auto_mode_calls_parse_and_validate(request, which):
     with TestClient(create_app(EngineFront(engine))) as client:
         calls: list[dict] = []
         # 2 x 100 sampled requests (no seed: a seed would make the 100 choices alike); one call per reply ends
-        # it, several may follow each other
-        for parallel in (False, True):
-            got, num = _calls(client, {"n": 100, "max_tokens": 32, "logit_bias": {str(marker_id): bias},
-                                       "parallel_tool_calls": parallel})
+        # it, several may follow each other. Both sent at once: the server decodes the 200 as one batch
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda parallel: _calls(client, {
+                "n": 100, "max_tokens": 32, "logit_bias": {str(marker_id): bias},
+                "parallel_tool_calls": parallel}), (False, True)))
+        for got, num in answers:
             assert num == 100
             calls += got
     assert len(calls) >= 20, calls  # the bias opens calls often: the check above ran on many of them
@@ -149,3 +178,32 @@ def test_a_special_token_trigger_opens_held_calls(python_tag_engine):
             calls += got
     assert len(calls) >= 10, calls  # the bias on the one-token trigger opens calls often
     assert len({json.dumps(c) for c in calls}) >= 5  # sampled calls, not one call many times
+
+
+def test_harmony_calls_are_held_to_their_schemas(harmony_engine):
+    """gpt-oss calls with harmony's markers as special tokens (refused with a 400 before): the reply is harmony
+    messages (reasoning in analysis, content in final), a call a commentary message to a listed tool, its
+    arguments held to the tool's schema; <|call|> is an EOS id, so the call's JSON ends the reply."""
+    engine, end_id = harmony_engine
+    with TestClient(create_app(EngineFront(engine))) as client:
+        r = client.post("/v1/chat/completions", json={
+            "messages": ASK, "tools": TOOLS, "temperature": 1, "n": 60, "max_tokens": 40,
+            "logit_bias": {str(end_id): 8.0}})  # messages end soon, so that several follow each other
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        calls, reasoned = [], 0
+        for choice in choices:
+            msg = choice["message"]
+            for call in msg.get("tool_calls") or []:
+                fn = call["function"]
+                jsonschema.validate(json.loads(fn["arguments"]), SCHEMAS[fn["name"]])
+                calls.append(fn)
+            assert len(msg.get("tool_calls") or []) <= 1
+            assert bool(msg.get("tool_calls")) == (choice["finish_reason"] == "tool_calls")
+            if choice["finish_reason"] != "length":  # (a reply cut inside a call is text, markers and all)
+                assert "<|" not in (msg["content"] or "")  # markers are the parsers', never content
+            reasoned += bool(msg.get("reasoning_content"))
+    print(f"harmony: {len(calls)} calls, {reasoned} with reasoning of {len(choices)}")
+    assert len(choices) == 60 and len(calls) >= 12, calls
+    assert len({json.dumps(c) for c in calls}) >= 8  # sampled calls, not one call many times
+    assert reasoned >= 8  # the analysis channel is free text, read out as reasoning

@@ -97,7 +97,8 @@ class ModelRunner:
         deferred = (lambda model: gguf_replaced_params(model, gguf)) if serve_blocks and gguf is not None else None
         loaded = load_checkpoint(checkpoint, model_path=args.model_path, load_format=args.load_format,
                                  dtype=self.dtype, device=self.device, seed=args.random_seed,
-                                 tokenizer_path=args.tokenizer_path, tp=self.tp, methods=methods, deferred=deferred)
+                                 tokenizer_path=args.tokenizer_path, tp=self.tp, methods=methods, deferred=deferred,
+                                 embedding=args.is_embedding)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if args.quantization == "gguf":
             serve_gguf_blocks_(self.model, gguf, prefill_copies=not args.disable_weight_packing,
@@ -230,7 +231,7 @@ class ModelRunner:
         Under tensor parallelism every rank captures the same sizes at the same point of its start (the
         graphs hold the nccl all-reduces and all-gathers of the layers), and replays the same graph for a
         step: the batch size decides, and every rank runs the same batch."""
-        if self.device != "cuda" or args.disable_cuda_graph:
+        if self.device != "cuda" or args.disable_cuda_graph or args.is_embedding:  # an embedding server never decodes
             return None
         if not isinstance(self.attn_backend, GraphAttnBackend):
             logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly", args.attention_backend)

@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
     # parameters load_weights leaves unfilled (moved to the meta device, no storage) because the caller
     # replaces their modules next: a quantized GGUF's linears (gguf_quant.gguf_replaced_params)
     deferred_params: frozenset[str] = frozenset()
+    headless = False  # drop_lm_head: an untied base model saved without its head serves hidden states only
 
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  tp: TPComm | None = None, methods: WeightMethods = PLAIN) -> None:
@@ -343,11 +344,22 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.headless:
+            raise RuntimeError("this model was loaded without an LM head (its checkpoint has no lm_head.weight and "
+                               "unties its embeddings): it serves embeddings only (--is-embedding)")
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.tp is not None:
             return self.embed_tokens.logits(hidden).float()  # gathered over the ranks: [n, vocab]
         return F.linear(hidden, self.embed_tokens.weight).float()  # [n, vocab]
+
+    def drop_lm_head(self) -> None:
+        """Before loading: serve hidden states only, from a checkpoint without ``lm_head.weight`` whose
+        embeddings are untied (e5-mistral: a MistralModel saved without a head); load_weights then expects
+        no head, and the logits raise."""
+        if self.tie_word_embeddings:
+            raise ValueError("drop_lm_head is for untied embeddings: a tied head is the embedding table itself")
+        self.lm_head, self.headless = None, True
 
     def checkpoint_name(self, name: str) -> str:
         """A hook for families whose checkpoint names a module differently (Mixtral's block_sparse_moe)."""

@@ -102,15 +102,182 @@ def test_a_special_token_trigger_on_xgrammar_is_refused_naming_the_backend():
     assert e.value.param == "tool_choice"
 
 
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+def test_harmony_markers_as_special_tokens_make_a_harmony_tag():
+    """gpt-oss writes special tokens inside each call and between calls: on llguidance the free text becomes
+    harmony messages framed by them (refused with a 400 before); on xgrammar a 400 naming llguidance."""
+    req = _req()
+    tag = parse_structural_tag(auto_call_constraint(
+        _probe("gpt-oss", req), active_tools(req), tool_call_parser="gpt-oss", chat_template=None,
+        grammar_backend="llguidance", special=set(HARMONY)))
+    assert tag.harmony and tag.block and tag.separator == "<|start|>assistant"
+    assert [s.begin for s in tag.structures] == ["to=functions.get_time <|constrain|>json<|message|>"]
+    with pytest.raises(RequestError, match=r"xgrammar.*<\|call\|>.*--grammar-backend llguidance") as e:
+        auto_call_constraint(_probe("gpt-oss", req), active_tools(req), tool_call_parser="gpt-oss",
+                             chat_template=None, grammar_backend="xgrammar", special=set(HARMONY))
+    assert e.value.param == "tool_choice"
+    # harmony markers that are plain text: the text-trigger block, as for any other format
+    plain = parse_structural_tag(auto_call_constraint(
+        _probe("gpt-oss", req), active_tools(req), tool_call_parser="gpt-oss", chat_template=None,
+        grammar_backend="llguidance"))
+    assert not plain.harmony
+
+
 def test_special_token_markers_beyond_the_trigger_are_refused():
-    """harmony writes special tokens inside each call and between calls: a call block takes one only as its
+    """Another format whose markers inside the calls are special tokens: a call block takes one only as its
     trigger."""
     req = _req()
-    harmony = {"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|end|>", "<|return|>"}
-    with pytest.raises(RequestError, match=r"gpt-oss.*<\|call\|>.*are special tokens") as e:
-        auto_call_constraint(_probe("gpt-oss", req), active_tools(req), tool_call_parser="gpt-oss",
-                             chat_template=None, grammar_backend="llguidance", special=harmony)
+    deepseek = {"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁end｜>"}
+    with pytest.raises(RequestError, match=r"deepseekv3.*are special tokens") as e:
+        auto_call_constraint(_probe("deepseekv3", req), active_tools(req), tool_call_parser="deepseekv3",
+                             chat_template=None, grammar_backend="llguidance", special=deepseek)
     assert e.value.param == "tool_choice" and "--disable-tool-call-constraint" in str(e.value)
     # hermes markers that are plain added tokens (Qwen's) are fine
     assert auto_call_constraint(_probe("hermes", req), active_tools(req), tool_call_parser="hermes",
                                 chat_template=None, grammar_backend="llguidance", special={"<|im_end|>"})
+
+
+# ---- the harmony grammar (constrained/harmony_lark.py) on a dict vocabulary: every byte, a few words, and
+# harmony's markers as special tokens, <|call|> and <|return|> EOS ids as gpt-oss lists them ----
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+         "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+
+
+@pytest.fixture(scope="module")
+def harmony():
+    from radixlang.constrained import GrammarCompiler
+    from radixlang.constrained.tokenizer_info import TokenizerInfo
+    from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser
+    vocab = {chr(b): b for b in range(32, 127)} | {"\n": 10}
+    for word in ("analysis", "commentary", "final", "assistant", "to=functions.", "json", " the"):
+        vocab[word] = len(vocab) + 200
+    ids = {name: 400 + i for i, name in enumerate(HARMONY)}
+    info = TokenizerInfo.from_vocab({**vocab, **ids}, eos_token_ids=[ids["<|call|>"], ids["<|return|>"]],
+                                    special_tokens=set(HARMONY))
+    assert set(info.eos_names) == {"<|call|>", "<|return|>"} and "<|call|>" not in info.special_ids
+    compiler = GrammarCompiler(info, backend="llguidance", cache_size=4)
+    names = {i: n for n, i in ids.items()}
+    yield compiler, ids, names, GptOssParser
+    compiler.shutdown()
+
+
+def _harmony_grammar(harmony, *, parallel: bool):
+    compiler, ids, names, parser = harmony
+    return compiler.compile("structural_tag", json.dumps(parser(set(SCHEMAS)).harmony_tag(
+        list(SCHEMAS.items()), parallel=parallel))).new_grammar()
+
+
+def _feed(g, ids: dict, *parts: str) -> bool:
+    """Advance by text and markers (a part that is a marker name is its token)."""
+    return all(g.accept_token(ids[p]) if p in ids else g.accept_text(p) for p in parts)
+
+
+def test_harmony_grammar_holds_a_commentary_call(harmony):
+    _, ids, _, _ = harmony
+    g = _harmony_grammar(harmony, parallel=True)
+    call = ("<|channel|>", "commentary to=functions.get_time ", "<|constrain|>", "json", "<|message|>")
+    assert _feed(g, ids, "<|channel|>", "analysis", "<|message|>", "Look it up.", "<|end|>", "<|start|>",
+                 "assistant", *call, '{"zone": "utc"}')
+    # <|call|> is an EOS id: the call's JSON ends the reply, only EOS may follow (the scheduler stops there)
+    assert g.is_complete() and g.is_allowed(ids["<|call|>"])
+    assert not _feed(_harmony_grammar(harmony, parallel=True), ids, *call, '{"zone": "pst"}')  # the schema
+    assert not _feed(_harmony_grammar(harmony, parallel=True), ids, "<|channel|>", "commentary to=functions.nope")
+    # a recipient only where a call begins; no body spells a marker out as text
+    assert not _feed(_harmony_grammar(harmony, parallel=True), ids, "<|channel|>", "final to=functions.")
+    assert not _feed(_harmony_grammar(harmony, parallel=True), ids, "<|channel|>", "final", "<|message|>",
+                     "Hi<|end|>")
+
+
+def test_harmony_grammar_free_messages(harmony):
+    _, ids, _, _ = harmony
+    g = _harmony_grammar(harmony, parallel=False)
+    assert not g.is_accepting() and g.is_allowed(ids["<|channel|>"]) and not g.is_allowed(ids["<|start|>"])
+    assert _feed(g, ids, "<|channel|>", "analysis", "<|message|>", "Think.")
+    assert g.is_accepting() and g.is_allowed(ids["<|end|>"])  # EOS (<|return|>) or the next message
+    assert _feed(g, ids, "<|end|>")
+    assert not g.is_accepting() and not g.is_allowed(ids["<|channel|>"])  # <|start|>assistant first
+    assert _feed(g, ids, "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Sunny.")
+    assert g.is_accepting()
+
+
+def _walk(g, names: dict, rng) -> str:
+    """Tokens drawn from the mask (a marker a third of the time when one is allowed) until EOS or a
+    finished grammar; the text as the detokenizer writes it, EOS left out."""
+    info = g.compiled.tokenizer_info
+    out = []
+    for _ in range(400):
+        if g.is_complete():
+            break
+        allowed = [t for t in range(info.vocab_size) if g.is_allowed(t)]
+        marks = [t for t in allowed if t in names]
+        token = rng.choice(marks if marks and rng.random() < 0.35 else allowed)
+        assert g.accept_token(token)
+        if token in info.eos_token_ids:
+            break
+        out.append(names.get(token) or info.token_bytes[token].decode())
+    return "".join(out)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_harmony_grammar_walks_parse_and_validate(harmony, parallel):
+    """Random walks through the grammar: every call the gpt-oss parsers read back validates, and the
+    reasoning parser finds the analysis messages."""
+    import random
+
+    import jsonschema
+
+    from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
+    _, _, names, parser = harmony
+    num_calls = 0
+    for seed in range(40):
+        text = _walk(_harmony_grammar(harmony, parallel=parallel), names, random.Random(seed))
+        split = make_reasoning_parser("gpt-oss").parse(text)
+        calls = parser(set(SCHEMAS)).parse(split.rest).calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        assert len(calls) <= 1  # <|call|> is an EOS id: the first call ends the reply
+        num_calls += len(calls)
+    assert num_calls >= 5
+
+
+def test_a_harmony_call_cut_before_its_arguments_is_no_call():
+    """The last message needs no end marker (<|call|> is an EOS id the text leaves out), but a call whose
+    arguments never began was cut off by the token limit: no call with empty arguments."""
+    from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser
+    head = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"
+    assert GptOssParser({"get_time"}).parse(head).calls == []
+    (call,) = GptOssParser({"get_time"}).parse(head + '{"zone": "utc"}').calls
+    assert call.arguments == '{"zone": "utc"}'
+    (call,) = GptOssParser({"get_time"}).parse(head + "<|call|>").calls  # an empty call, ended: as before
+    assert call.arguments == ""
+
+
+def test_harmony_grammar_with_call_as_a_special_token(harmony):
+    """A tokenizer whose <|call|> is no EOS id (another generation config): the grammar names it after each
+    call, and with several calls allowed the next message follows it."""
+    from radixlang.constrained import GrammarCompiler
+    from radixlang.constrained.tokenizer_info import TokenizerInfo
+    compiler, ids, _, parser = harmony
+    base = compiler.tokenizer_info
+    info = TokenizerInfo(vocab_size=base.vocab_size, eos_token_ids=[ids["<|return|>"]],
+                         token_bytes=list(base.token_bytes),
+                         special_ids={**base.special_ids, "<|call|>": ids["<|call|>"]})
+    other = GrammarCompiler(info, backend="llguidance", cache_size=4)
+    try:
+        call = ("<|channel|>", "commentary to=functions.get_time ", "<|constrain|>", "json", "<|message|>",
+                '{"zone": "utc"}', "<|call|>")
+        for parallel in (False, True):
+            g = other.compile("structural_tag", json.dumps(parser(set(SCHEMAS)).harmony_tag(
+                list(SCHEMAS.items()), parallel=parallel))).new_grammar()
+            assert _feed(g, ids, *call[:-1]) and not g.is_accepting()  # <|call|> must follow
+            assert _feed(g, ids, "<|call|>") and g.is_accepting()
+            assert _feed(g.copy(), ids, "<|start|>", "assistant", *call) == parallel
+    finally:
+        other.shutdown()

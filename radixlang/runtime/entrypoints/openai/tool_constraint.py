@@ -5,10 +5,12 @@
   schemas by a call-block structural tag (``ToolParser.auto_tag``), so every call the parser reads
   back parses and validates. A trigger that is a special token of the model's tokenizer (Llama 3.1's
   ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) is that token in the grammar, on llguidance, which
-  names tokens by id. Refused with a 400 that names them: a format without a trigger (pythonic), a
-  grammar backend without triggered tags (outlines), a special-token trigger on xgrammar, and a format
-  whose other markers are special tokens too (gpt-oss's harmony headers, written inside calls and
-  between them); ``--disable-tool-call-constraint`` goes back to parsing calls as written. A request's own grammar
+  names tokens by id. gpt-oss's harmony markers as special tokens (written inside calls and between
+  them) make the free text harmony messages framed by those tokens, and a call a commentary message
+  to a listed tool (``GptOssParser.harmony_tag``, llguidance only). Refused with a 400 that names them:
+  a format without a trigger (pythonic), a grammar backend without triggered tags (outlines), markers
+  that are special tokens on xgrammar, and any other format whose markers beyond the trigger are
+  special tokens; ``--disable-tool-call-constraint`` goes back to parsing calls as written. A request's own grammar
   (regex, json_schema, ebnf, a structural_tag response_format) replaces the constraint: the caller
   chose the reply's shape.
 - tools together with a ``json_schema`` / ``json_object`` response_format: the reply is either calls
@@ -25,6 +27,7 @@ from radixlang.constrained.json_regex import ANY_JSON_MARKER
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput
 from radixlang.runtime.entrypoints.openai.protocol import ChatRequest, Tool
 from radixlang.runtime.entrypoints.openai.tool_parsers import detect
+from radixlang.runtime.entrypoints.openai.tool_parsers.gpt_oss import GptOssParser
 from radixlang.runtime.errors import RequestError
 
 _LIBRARY_BACKENDS = ("llguidance", "xgrammar")
@@ -71,28 +74,25 @@ def auto_call_constraint(probe: ChatOutput, tools: list[Tool], *, tool_call_pars
     if tag is None:
         raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas: the {parser} "
                            f"format has no start marker a grammar can wait for; {how}", "tool_choice")
-    _check_special_markers(probe, tag["triggers"][0], special, parser=parser, grammar_backend=grammar_backend,
-                           how=how)
-    return json.dumps(tag)
-
-
-def _check_special_markers(probe: ChatOutput, trigger: str, special: Set[str], *, parser: str,
-                           grammar_backend: str, how: str) -> None:
-    """RequestError unless the format's markers that are special tokens of this tokenizer come down to the
-    trigger, on llguidance: only there can a grammar write a special token (see the module docstring)."""
     markers = sorted(special & set(probe.tools.syntax if probe.tools is not None else ()))
     if not markers:
-        return
-    if markers != [trigger]:  # harmony: special tokens in the calls' text and in the free text between them
+        return json.dumps(tag)
+    harmony = isinstance(probe.tools, GptOssParser)
+    if markers != tag["triggers"] and not harmony:
         raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas with this "
                            f"tokenizer: the format's markers {', '.join(markers)} are special tokens, and a "
                            f"call-block grammar can take a special token only as the call's trigger; {how}",
                            "tool_choice")
     if grammar_backend != "llguidance":
+        what = "harmony markers" if harmony else "call trigger"
         raise RequestError(f"tool_choice auto cannot hold {parser} tool calls to their schemas on the "
-                           f"{grammar_backend} grammar backend: the call trigger {trigger} is a special token of "
-                           f"this tokenizer, which only llguidance grammars can name; run the server with "
+                           f"{grammar_backend} grammar backend: the {what} {', '.join(markers)} "
+                           f"{'is a special token' if len(markers) == 1 else 'are special tokens'} of this "
+                           f"tokenizer, which only llguidance grammars can name; run the server with "
                            f"--grammar-backend llguidance, or {how}", "tool_choice")
+    if isinstance(probe.tools, GptOssParser):  # the messages around the calls are framed by special tokens
+        return json.dumps(probe.tools.harmony_tag(_schemas(tools), parallel=probe.parallel))
+    return json.dumps(tag)
 
 
 def _schemas(tools: list[Tool]) -> list[tuple[str, Any]]:

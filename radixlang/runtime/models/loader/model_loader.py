@@ -27,7 +27,7 @@ from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.loader.gguf_weights import gguf_weights
 from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, expert_param_name
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
-from radixlang.runtime.models.llama import unfused_pieces
+from radixlang.runtime.models.llama import LlamaForCausalLM, unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
 from radixlang.runtime.models.registry import MODEL_CLASSES, model_class
 from radixlang.runtime.tokenizer_source import merged_eos_ids
@@ -156,11 +156,18 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
                     dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                     tokenizer_path: str | None = None, tp: TPComm | None = None,
                     methods: WeightMethods = PLAIN,
-                    deferred: Callable[[nn.Module], set[str]] | None = None) -> LoadedModel:
+                    deferred: Callable[[nn.Module], set[str]] | None = None,
+                    embedding: bool | None = None) -> LoadedModel:
     """``load_model`` of a checkpoint already opened, its linears built with ``methods`` (processed by the
     caller: layers/linear.process_weights_after_loading). ``deferred(model)`` names parameters to leave
     unloaded (on the meta device), because the caller replaces their modules right after (a quantized
-    GGUF's linears)."""
+    GGUF's linears).
+
+    A checkpoint without ``lm_head.weight`` whose embeddings are untied (an e5-mistral style embedding
+    model: a base model saved without its head) loads headless for an embedding server (``embedding``
+    True) and is a ValueError naming the missing tensor for a generation server (False); a caller that
+    does not say (None) gets it headless when the folder describes itself as a sentence-transformers
+    model (``modules.json``), whose logits then raise if ever asked for, else the ValueError."""
     from transformers import AutoTokenizer
 
     folder = checkpoint.folder
@@ -168,7 +175,18 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
     # every EOS id ends a reply: generation_config.json often lists more than config.json (Llama 3, Gemma 3)
     config.eos_token_id = merged_eos_ids(config.eos_token_id, folder)
     cls = model_class(config)
+    headless = load_format != "dummy" and checkpoint.gguf is None and lacks_lm_head(config, folder)
+    if embedding is None:
+        embedding = os.path.isfile(os.path.join(folder, "modules.json"))
+    if headless and not embedding:
+        raise ValueError(f"{folder} has no lm_head.weight and unties its embeddings (tie_word_embeddings: false): "
+                         f"a base model saved without its LM head cannot generate; serve it with --is-embedding")
     model = cls(config, dtype=dtype, device=device, tp=tp, methods=methods)
+    if headless:
+        if not isinstance(model, LlamaForCausalLM):
+            raise ValueError(f"{folder} has no lm_head.weight, and {cls.__name__} cannot load without one")
+        logger.info("%s has no lm_head.weight: loaded without an LM head, for embeddings", folder)
+        model.drop_lm_head()
     if deferred is not None:
         model.deferred_params = frozenset(deferred(model))
     if load_format == "dummy":
@@ -205,6 +223,29 @@ def _deferred_filter(deferred: frozenset[str], checkpoint_name: Callable[[str], 
         return ".".join(parts) in deferred
 
     return skip
+
+
+def lacks_lm_head(config: Any, folder: str) -> bool:
+    """Whether a safetensors folder's model unties its embeddings and holds no ``lm_head.weight`` (read from
+    the shard index or the files' headers; no tensor is loaded)."""
+    if getattr(config, "tie_word_embeddings", False):
+        return False
+    return not any(name.removeprefix("model.") == "lm_head.weight" for name in checkpoint_tensor_names(folder))
+
+
+def checkpoint_tensor_names(folder: str) -> list[str]:
+    """The tensor names of a safetensors folder: the shard index's weight map, else each file's header."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return list(json.load(f).get("weight_map", {}))
+    names: list[str] = []
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 def checkpoint_files(folder: str) -> list[str]:

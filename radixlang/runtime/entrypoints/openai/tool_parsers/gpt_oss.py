@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from radixlang.runtime.entrypoints.openai.tool_parsers.base import (
     PartialCall, Snapshot, ToolParser, marker_holdback,
@@ -58,8 +59,10 @@ def harmony_messages(text: str, *, final: bool) -> list[HarmonyMessage]:
             continue
         body = text[body_start:]
         keep = len(body) if final else len(body) - marker_holdback(body, ENDS)
+        # the last message needs no end marker (an EOS id ends it: <|call|>, <|return|>), but one that has
+        # no body yet was cut off (a call's arguments never begun), not ended
         out.append(HarmonyMessage(channel.group(1) if channel else None,
-                                  recipient.group(1) if recipient else None, body[:keep], final,
+                                  recipient.group(1) if recipient else None, body[:keep], final and keep > 0,
                                   span=(head, body_start + keep)))
         return out
     return out
@@ -84,6 +87,15 @@ class GptOssParser(ToolParser):
 
     def auto_call_begin(self, name: str) -> str:
         return f"to=functions.{name} <|constrain|>json{MESSAGE}"
+
+    def harmony_tag(self, tools: list[tuple[str, Any]], *, parallel: bool) -> dict[str, Any]:
+        """``auto_tag`` for a tokenizer whose harmony markers are special tokens: the free text is harmony
+        messages framed by those tokens, a call a commentary message to a listed tool (llguidance only:
+        constrained/harmony_lark.py)."""
+        tag = self.auto_tag(tools, parallel=parallel)
+        if tag is None:
+            raise RuntimeError("the gpt-oss parser gave no auto-mode tag")
+        return {**tag, "harmony": True}
 
     def snapshot(self, text: str, *, final: bool) -> Snapshot:
         snap = Snapshot()
