@@ -21,9 +21,7 @@ the same check).
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -31,6 +29,7 @@ from typing import Any, Callable
 import httpx
 
 from bench.common import write_result
+from bench.ray_cluster import LocalDeployment, local_deployment
 
 ARGS = {"num_threads": 1, "max_total_tokens": 8192, "log_level": "warning"}
 NEW_TOKENS = 16
@@ -83,23 +82,15 @@ def handle_sender() -> Callable[[str], int]:
     return send
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_cell(waves: list[list[str]]) -> dict[str, Any]:
     from radixlang.lang.backends.runtime import Runtime
     with Runtime(launch_timeout=600, **ARGS) as rt:
         return run_cell(rt.url, http_sender(rt.url), waves)
 
 
-def kill_node(url: str, cluster: Any, workers: list) -> dict[str, Any]:
-    from ray import serve
-    replicas = serve.get_deployment_handle("RadixReplica", app_name="radixlang")
-    nodes = {replicas.describe.remote(replica_index=i).result()["node_id"] for i in range(len(workers) + 1)}
-    victim = next(n for n in workers if n.node_id in nodes)
+def kill_node(deployment: LocalDeployment) -> dict[str, Any]:
+    url = deployment.url
+    victim = deployment.worker_with_a_replica()
 
     def one(i: int) -> str:
         try:
@@ -115,7 +106,7 @@ def kill_node(url: str, cluster: Any, workers: list) -> dict[str, Any]:
         results = pool.map(one, range(12))
         time.sleep(1)
         killed = time.monotonic()
-        cluster.remove_node(victim, allow_graceful=False)
+        deployment.cluster.remove_node(victim, allow_graceful=False)
         outcomes = list(results)
     while True:
         try:
@@ -128,30 +119,13 @@ def kill_node(url: str, cluster: Any, workers: list) -> dict[str, Any]:
 
 
 def ray_cells(waves: list[list[str]], num_replicas: int, *, with_kill: bool) -> dict[str, Any]:
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    from radixlang.launch_ray import deploy
-    from radixlang.runtime.server_args import ServerArgs
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
-                                                            "_system_config": system})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        url = deploy(ServerArgs(port=free_port(), **ARGS), num_replicas=num_replicas, num_cpus=1, num_gpus=0)
+    with local_deployment(ARGS, num_replicas=num_replicas) as deployment:
+        url = deployment.url
         out = {"ray_cache_aware": run_cell(url, http_sender(url), waves),
                "ray_round_robin": run_cell(url, handle_sender(), waves)}
         if with_kill:
-            out["node_loss"] = kill_node(url, cluster, workers)
+            out["node_loss"] = kill_node(deployment)
         return out
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+from process_memory import release_freed_memory, rss_mb  # noqa: E402
 from tiny_model import make_tiny_model_dir, smollm_dir  # noqa: E402
 
 
@@ -21,6 +22,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip)
+
+
+# Every in-process app a test made (create_app(EngineFront(engine)) under a TestClient) stayed alive with its
+# engine: FastAPI (0.165 here) keeps each route's endpoint in module-level lru_caches (4096 entries, in
+# fastapi/dependencies/models.py), and an endpoint's closure holds the EngineFront, so the engine's weights and
+# KV pool (SmolLM2: ~1.3 GB) never left and the suite grew past 14 GB. A shut-down Engine also sits in a reference
+# cycle until the collector's oldest generation runs, and glibc keeps the heap pages it freed. After each test's
+# teardown (a module's last test: its module fixtures too), a growth of RELEASE_ABOVE_MB since the last release
+# empties those caches, collects and trims the heap.
+RELEASE_ABOVE_MB = 512
+_RSS_AFTER_RELEASE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if rss_mb() - item.config.stash.get(_RSS_AFTER_RELEASE, 0) > RELEASE_ABOVE_MB:
+        release_freed_memory()
+        item.config.stash[_RSS_AFTER_RELEASE] = rss_mb()
 
 
 @pytest.fixture(scope="session")

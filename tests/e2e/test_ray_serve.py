@@ -4,7 +4,6 @@ routing beats round robin on a shared-prefix trace, and losing a node mid-load l
 configuration fails at start saying what to do."""
 from __future__ import annotations
 
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,8 @@ import httpx
 import openai
 import pytest
 from waiting import wait_until
+
+from bench.ray_cluster import LocalDeployment, free_port, local_deployment
 
 from radixlang.launch_ray import check_resources, connect
 from radixlang.runtime.entrypoints.smg_routes import smg_executable
@@ -25,47 +26,23 @@ REPLICA_ARGS = {"num_threads": 1, "max_total_tokens": 4096, "log_level": "warnin
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deployment():
     """3 nodes of 2 logical CPUs (a killed node's replica has somewhere to go), 3 replicas of 1 CPU each."""
-    from ray.cluster_utils import Cluster
-
-    from radixlang.launch_ray import deploy
-    from radixlang.runtime.server_args import ServerArgs
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # a dead node is noticed within seconds, not the default half minute
-    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
-                                                            "_system_config": system})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        args = ServerArgs(port=_free_port(), **REPLICA_ARGS)
-        url = deploy(args, num_replicas=3, num_cpus=1, num_gpus=0)
-        yield {"url": url, "cluster": cluster, "workers": workers}
-    finally:  # the cluster's end kills every process of it (Serve's controller, proxies, replicas)
-        ray.shutdown()
-        cluster.shutdown()
+    with local_deployment(REPLICA_ARGS, num_replicas=3, num_workers=2, cpus_per_node=2) as dep:
+        yield dep
 
 
 def _generate(url: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/generate", json=body, timeout=timeout)
 
 
-def test_greedy_outputs_equal_one_engine(deployment):
+def test_greedy_outputs_equal_one_engine(deployment: LocalDeployment):
     from radixlang import Engine
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
     via_ray = []
     for p in prompts:
-        r = _generate(deployment["url"], {"text": p, "sampling_params": GREEDY})
+        r = _generate(deployment.url, {"text": p, "sampling_params": GREEDY})
         assert r.status_code == 200, r.text
         via_ray.append(r.json()["output_ids"])
     with Engine(**REPLICA_ARGS) as engine:
@@ -75,7 +52,7 @@ def test_greedy_outputs_equal_one_engine(deployment):
 
 def test_clients_work_unchanged(deployment):
     from radixlang import RuntimeEndpoint, function, gen
-    url = deployment["url"]
+    url = deployment.url
 
     @function
     def story(s):
@@ -121,7 +98,7 @@ def _hit_rate(url: str, send) -> float:
 
 def test_prefix_routing_beats_round_robin(deployment):
     from ray import serve
-    url = deployment["url"]
+    url = deployment.url
 
     def over_http(text: str) -> None:
         assert _generate(url, {"text": text, "sampling_params": {**GREEDY, "max_new_tokens": 2}}).status_code == 200
@@ -136,15 +113,13 @@ def test_prefix_routing_beats_round_robin(deployment):
     assert aware >= 1.5 * rr, (aware, rr)
 
 
-def _replica_nodes() -> set[str]:
-    from ray import serve
-    replicas = serve.get_deployment_handle("RadixReplica", app_name="radixlang")
-    return {replicas.describe.remote(replica_index=i).result()["node_id"] for i in range(3)}
+def _num_running(url: str) -> int:
+    return httpx.get(url + "/get_server_info", timeout=60).json()["num_running_reqs"]
 
 
-def test_a_lost_node_loses_no_request_silently(deployment):
-    url, cluster = deployment["url"], deployment["cluster"]
-    victim = next(n for n in deployment["workers"] if n.node_id in _replica_nodes())
+def test_a_lost_node_loses_no_request_silently(deployment: LocalDeployment):
+    url = deployment.url
+    victim = deployment.worker_with_a_replica()
 
     def one(i: int) -> str:
         r = _generate(url, {"text": f"request {i}: " + "word " * 40,
@@ -162,9 +137,9 @@ def test_a_lost_node_loses_no_request_silently(deployment):
 
     with ThreadPoolExecutor(12) as pool:
         results = pool.map(one, range(12))
-        time.sleep(1)  # the load is on the replicas when the node goes
+        wait_until(lambda: _num_running(url) > 0, what="the load to reach the replicas before the node goes")
         killed_at = time.monotonic()
-        cluster.remove_node(victim, allow_graceful=False)
+        deployment.cluster.remove_node(victim, allow_graceful=False)
         outcomes = list(results)  # each request ended one way or the other (a hang fails on its timeout)
     assert outcomes.count("done") >= 1, outcomes
 
@@ -180,7 +155,7 @@ def test_a_lost_node_loses_no_request_silently(deployment):
 
 def test_bad_configuration_fails_at_start_saying_what_to_do(monkeypatch):
     with pytest.raises(SystemExit, match="ray start --head"):
-        connect(f"127.0.0.1:{_free_port()}")
+        connect(f"127.0.0.1:{free_port()}")
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
     with pytest.raises(SystemExit, match="largest node .* has 2: lower --num-cpus-per-replica"):
         check_resources(nodes, num_cpus=4, num_gpus=0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -128,14 +127,15 @@ def test_auto_mode_calls_parse_and_validate(request, which):
     bias = 9.0 if which == "tiny" else 6.0  # a strong bias on the tiny model's one-token marker opens calls early
     with TestClient(create_app(EngineFront(engine))) as client:
         calls: list[dict] = []
-        # 2 x 100 sampled requests (no seed: a seed would make the 100 choices alike); one call per reply ends
-        # it, several may follow each other. Both sent at once: the server decodes the 200 as one batch
-        with ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda parallel: _calls(client, {
-                "n": 100, "max_tokens": 32, "logit_bias": {str(marker_id): bias},
-                "parallel_tool_calls": parallel}), (False, True)))
-        for got, num in answers:
-            assert num == 100
+        # 2 x n sampled requests (no seed: a seed would make the n choices alike); one call per reply ends it,
+        # several may follow each other. Each request is one batch of n already, and on the CPU a batch's decode
+        # costs in proportion to its rows: SmolLM2 gets 2 x 50, which keeps issue #41's total over 200 sampled
+        # requests (with the tiny models' 200 + 60) at half its minute
+        n = 100 if which == "tiny" else 50
+        for parallel in (False, True):
+            got, num = _calls(client, {"n": n, "max_tokens": 32, "logit_bias": {str(marker_id): bias},
+                                       "parallel_tool_calls": parallel})
+            assert num == n
             calls += got
     assert len(calls) >= 20, calls  # the bias opens calls often: the check above ran on many of them
     if which == "tiny":  # random weights: sampled calls, not one call many times (SmolLM asks for Paris alike)
