@@ -22,8 +22,11 @@ FORBIDDEN = {
                                          "front", "entrypoints")),
     "runtime/mem_cache": tuple(RT + r for r in ("models", "model_executor", "scheduler", "front", "dp",
                                                 "entrypoints")),
-    "runtime/models": tuple(RT + r for r in ("mem_cache", "model_executor", "scheduler", "front", "dp",
+    "runtime/models": tuple(RT + r for r in ("mem_cache", "lora", "model_executor", "scheduler", "front", "dp",
                                              "entrypoints")),
+    # adapters over the models' linears: below the runner, which owns them
+    "runtime/lora": tuple(RT + r for r in ("mem_cache", "model_executor", "scheduler", "front", "dp",
+                                           "entrypoints")),
     "runtime/model_executor": tuple(RT + r for r in ("scheduler", "front", "dp", "entrypoints")),
     # the scheduler and the request front meet only through the messages of runtime/io_struct.py
     "runtime/scheduler": tuple(RT + r for r in ("front", "dp", "entrypoints")),

@@ -86,6 +86,7 @@ class TokenizedGenerateReq:
     # ``embedding_dimensions`` cuts it (a Matryoshka model's ``dimensions``)
     embedding: bool = False
     embedding_dimensions: int | None = None
+    lora_name: str | None = None  # the LoRA adapter to run under (runtime/lora); None: the base model
 
 
 def check_embedding_match(*, embedding: bool, is_embedding: bool, model: str | None) -> None:
@@ -142,6 +143,22 @@ class CheckMemoryLeakOut:
 
 
 @dataclass(kw_only=True)
+class LoRAUpdateReq:
+    """Load (``path`` given) or unload a LoRA adapter by name on a replica."""
+    name: str
+    path: str | None = None
+    rid: str = ""
+
+
+@dataclass(kw_only=True)
+class LoRAUpdateOut:
+    success: bool
+    message: str = ""
+    adapters: dict[str, str] = field(default_factory=dict)  # the replica's adapters after the update: name -> path
+    rid: str = ""
+
+
+@dataclass(kw_only=True)
 class SchedulerReady:
     """A scheduler process -> the launcher, once its model is loaded (or it failed to load: ``error``)."""
     replica: int
@@ -152,6 +169,7 @@ class SchedulerReady:
     tokenizer_path: str = ""
     kv_pool_size: int = 0  # KV slots in the replica's pool: the request front sizes its router tree from it
     model_dir: str = ""  # the folder of the model's config: the front reads its sampling defaults there
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served at start: name -> path
 
 
 @dataclass(kw_only=True)
@@ -206,7 +224,8 @@ class BatchStrOut:
 
 _MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, GetInternalStateReq,
+    for cls in (TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, LoRAUpdateReq, LoRAUpdateOut,
+                GetInternalStateReq,
                 GetInternalStateOut, CheckMemoryLeakReq, CheckMemoryLeakOut, SchedulerReady, BatchTokenIDOut,
                 BatchStrOut)
 }

@@ -95,6 +95,15 @@ class ServerArgs:
                                                         "greedily with its own KV pool")
     speculative_ngram_min_match_window_size: int = _f(1, "shortest suffix n-gram ngram drafting matches")
     speculative_ngram_max_match_window_size: int = _f(3, "longest suffix n-gram ngram drafting matches (tried first)")
+    # LoRA adapters (docs/lora.md)
+    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths); without it a request naming an "
+                                  "adapter is a 400")
+    lora_paths: tuple[str, ...] = _f((), "PEFT adapter folders to serve, as name=path (or a path: named after its "
+                                         "folder); more can be loaded at run time (/load_lora_adapter)")
+    max_loras_per_batch: int = _f(8, "most distinct adapters one batch runs (requests of others wait a step)")
+    max_loaded_loras: int | None = _f(None, "most adapters holding weights at once; the least recently used one "
+                                            "not running is evicted (read again from its folder when needed); "
+                                            "default: no limit")
     # chat (OpenAI routes)
     chat_template: str | None = _f(None, "a Jinja chat template file, or a built-in one (chatml, gemma, llama-3), "
                                          "replacing the tokenizer's (a base model has none)")
@@ -166,6 +175,7 @@ class ServerArgs:
                              f"got {self.page_size}")
         self._check_parallel()
         self._check_speculative()
+        self._check_lora()
         if self.constrained_json_whitespace_pattern is not None:  # refused at start if the backend can't write it
             from radixlang.constrained.schema_policy import check_whitespace_pattern
             check_whitespace_pattern(self.grammar_backend, self.constrained_json_whitespace_pattern)
@@ -197,6 +207,25 @@ class ServerArgs:
         if self.tp_size > 1 and self.quantization in ("int8", "int4"):  # gguf splits its blocks per rank
             raise ValueError(f"quantization {self.quantization!r} is not supported with tp_size > 1, "
                              f"got tp_size {self.tp_size}")
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))  # a list from JSON or a caller
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"max_loaded_loras must be >= max_loras_per_batch ({self.max_loras_per_batch}), got "
+                             f"{self.max_loaded_loras}")
+        named = lora_path_names(self.lora_paths)
+        if len(set(named)) != len(named):
+            raise ValueError(f"lora_paths names must be unique, got {', '.join(named)}")
+        if not self.enable_lora:
+            return
+        for what, bad in (("tp_size > 1", self.tp_size > 1), ("--is-embedding", self.is_embedding),
+                          ("speculative decoding", self.speculative_algorithm is not None)):
+            if bad:
+                raise ValueError(f"LoRA adapters (enable_lora / lora_paths) are not supported with {what}")
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
@@ -278,6 +307,8 @@ class ServerArgs:
             help_text = f.metadata.get("help", "")
             if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            elif kind is tuple:
+                parser.add_argument(flag, nargs="*", default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                     help=f"{help_text} (default: {f.default})")
@@ -291,7 +322,23 @@ def _base_type(hint: Any) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0]
-    return hint
+    return typing.get_origin(hint) or hint
+
+
+def lora_path_names(lora_paths: tuple[str, ...]) -> list[str]:
+    """The adapter names of --lora-paths entries (name=path, or a path named after its folder)."""
+    return [split_lora_path(entry)[0] for entry in lora_paths]
+
+
+def split_lora_path(entry: str) -> tuple[str, str]:
+    """A --lora-paths entry -> (name, path)."""
+    name, sep, path = entry.partition("=")
+    if not sep:
+        path = entry
+        name = os.path.basename(entry.rstrip("/" + os.sep))
+    if not name or not path:
+        raise ValueError(f"lora_paths entries must be name=path or a folder, got {entry!r}")
+    return name, path
 
 
 def _own_model_name(model_path: str | None) -> str:

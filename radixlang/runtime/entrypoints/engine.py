@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from radixlang.runtime.dp.router import Router
+from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import BatchStrOut, TokenizedGenerateReq
 from radixlang.runtime.front.request_front import (
     ControlOut, ControlReq, RequestFront, RequestStream, SyncStream,
@@ -103,13 +104,14 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int = 0, stream: bool = False,
-                 rid: str | None = None) -> dict | list[dict] | SyncStream:
+                 rid: str | None = None, lora_path: str | None = None) -> dict | list[dict] | SyncStream:
         """Generate for one prompt (a dict) or many (a list of dicts, n expanded in order); thread-safe.
 
-        ``stream=True`` (one prompt, n=1) submits now and returns an iterator of snapshots.
+        ``stream=True`` (one prompt, n=1) submits now and returns an iterator of snapshots. ``lora_path``:
+        the name of a served LoRA adapter every prompt runs under (None: the base model).
         """
         opts: dict[str, Any] = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-                                "top_logprobs_num": top_logprobs_num, "rid": rid}
+                                "top_logprobs_num": top_logprobs_num, "rid": rid, "lora_path": lora_path}
         if stream:
             return self.front.stream(prompt, sampling_params, input_ids, **opts)  # type: ignore[arg-type]
         return self.front.generate(prompt, sampling_params, input_ids, **opts)
@@ -127,6 +129,19 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.front.flush_cache()
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve the PEFT adapter folder ``lora_path`` as ``lora_name`` on every replica (ValueError if it cannot
+        be served: the message says why)."""
+        out = self.front.update_lora(lora_name, lora_path)
+        if not out.success:
+            raise RequestError(out.message, "lora_path")
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name``; requests already sent under it finish with it."""
+        out = self.front.update_lora(lora_name, None)
+        if not out.success:
+            raise RequestError(out.message, "lora_name")
 
     def get_server_info(self) -> dict[str, Any]:
         """ServerArgs, then the replicas' state summed (counters, memory, latency histograms) and per replica."""

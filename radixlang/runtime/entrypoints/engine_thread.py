@@ -22,7 +22,7 @@ from typing import Any, Callable
 from radixlang.runtime.front.detokenizer import DetokenizerManager
 from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
-    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq,
+    GetInternalStateReq, LoRAUpdateOut, LoRAUpdateReq, SchedulerReady, TokenizedGenerateReq,
 )
 from radixlang.runtime.scheduler.scheduler import Scheduler
 
@@ -91,10 +91,12 @@ class SchedulerThread:
             return sched.outputs.flush(sched.tokenizer)
         self.post(abort)
 
-    def control(self, msg: FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq
-                ) -> FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut:
+    def control(self, msg: FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq | LoRAUpdateReq
+                ) -> FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut | LoRAUpdateOut:
         """Answer a control message on the replica's thread, as a scheduler process answers it."""
         sched = self.wait_built()
+        if isinstance(msg, LoRAUpdateReq):
+            return self.call(lambda: sched.update_lora(msg))
         if isinstance(msg, FlushCacheReq):
             out = self.call(sched.flush_cache)
             return FlushCacheOut(success=out.success, message=out.message, rid=msg.rid)

@@ -43,6 +43,13 @@ class Front(Protocol):
 
     async def get_server_info(self) -> dict[str, Any]: ...
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters served: name -> folder."""
+
+    async def update_lora(self, name: str, path: str | None) -> tuple[bool, str]:
+        """Load (``path`` given) or unload a LoRA adapter everywhere: (success, message)."""
+
 
 class GenerateRequest(pydantic.BaseModel):
     """SGLang's native /generate body; sampling_params are checked by SamplingParams itself."""
@@ -56,6 +63,7 @@ class GenerateRequest(pydantic.BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+    lora_path: str | None = None  # the name of a served LoRA adapter (SGLang's field); None: the base model
     # what SGLang's gateway (SMG) writes into every /generate it forwards: the model it routed by (this server
     # serves one), logging hints, and options at their "off" value; turning one of those on is a 400
     model: str | None = None
@@ -94,14 +102,34 @@ def model_name(engine: Front) -> str:
     return engine.server_args.served_model_name or DEFAULT_MODEL_ID
 
 
-def unknown_model(engine: Front, model: str | None) -> JSONResponse | None:
+def lora_of_model(engine: Front, model: str | None) -> str | None:
+    """The LoRA adapter an OpenAI ``model`` names: an adapter's name, or ``<served id>:<adapter>``; None for
+    the base model (or a model not served: see ``unknown_model``)."""
+    if model is None:
+        return None
+    adapters = engine.lora_adapters
+    if model in adapters:
+        return model
+    base, sep, name = model.rpartition(":")  # adapter names hold no ':'
+    if sep and base in (model_name(engine), DEFAULT_MODEL_ID) and name in adapters:
+        return name
+    return None
+
+
+def unknown_model(engine: Front, model: str | None, *, adapters: bool = False) -> JSONResponse | None:
     """OpenAI's 404 for a model this server does not serve; None when ``model`` is its id, "default",
-    or absent."""
+    absent, or (``adapters``: a route that runs LoRA adapters) names a served adapter."""
     served = model_name(engine)
     if model is None or model in (served, DEFAULT_MODEL_ID):
         return None
+    if adapters and lora_of_model(engine, model) is not None:
+        return None
+    also = ""
+    if engine.lora_adapters:
+        also = (f"; LoRA adapters: {', '.join(f'`{n}`' for n in sorted(engine.lora_adapters))}"
+                + ("" if adapters else " (not on this route)"))
     return JSONResponse({"error": {"message": f"The model `{model}` does not exist: this server serves "
-                                              f"`{served}` (or send `{DEFAULT_MODEL_ID}`)",
+                                              f"`{served}` (or send `{DEFAULT_MODEL_ID}`){also}",
                                    "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
                         status_code=404)
 

@@ -119,7 +119,7 @@ def create_app(engine: Front) -> FastAPI:
         req = parse_model(GenerateRequest, body)
         kw = {"prompt": req.text, "input_ids": req.input_ids, "sampling_params": req.sampling_params,
               "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
-              "top_logprobs_num": req.top_logprobs_num, "rid": req.rid}
+              "top_logprobs_num": req.top_logprobs_num, "rid": req.rid, "lora_path": req.lora_path}
         with_text = req.return_logprob and req.return_text_in_logprobs
 
         def finish(o: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +137,32 @@ def create_app(engine: Front) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name(engine), "object": "model", "owned_by": "radixlang"}]}
+        base = model_name(engine)
+        adapters = [{"id": name, "object": "model", "owned_by": "radixlang", "parent": base, "root": path}
+                    for name, path in sorted(engine.lora_adapters.items())]
+        return {"object": "list", "data": [{"id": base, "object": "model", "owned_by": "radixlang"}, *adapters]}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for field_name, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"{field_name} must be a non-empty string", field_name)
+        return _lora_reply(*await engine.update_lora(name, path), param="lora_path")
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        name = (await body_of(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string", "lora_name")
+        return _lora_reply(*await engine.update_lora(name, None), param="lora_name")
+
+    def _lora_reply(success: bool, message: str, *, param: str) -> Response:
+        if not success:
+            raise RequestError(message, param)
+        return Response(orjson.dumps({"success": True, "message": message,
+                                      "loaded_adapters": engine.lora_adapters}), media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -170,6 +170,7 @@ class RadixReplica:
         import ray
         return {"server_args": self.front.server_args.to_dict(), "model_path": self.front.model_path,
                 "tokenizer_path": self.front.tokenizer_path, "sampling_defaults": self.front.sampling_defaults,
+                "lora_adapters": dict(self.front.lora_adapters),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def generate(self, kw: dict[str, Any], route_ids: list[int] | None = None) -> dict[str, Any]:
@@ -313,6 +314,7 @@ class RayFront:
         self.num_replicas = num_replicas
         self.draining = False
         self.in_flight: dict[str, Any] = {}  # rid -> the Serve response serving it, for /abort_request
+        self.lora_adapters: dict[str, str] = described.get("lora_adapters", {})  # --lora-paths of the replicas
 
     def is_healthy(self) -> bool:
         return True  # each replica's health is Serve's (check_health): a sick one is replaced
@@ -375,6 +377,10 @@ class RayFront:
 
     async def flush_cache(self) -> bool:
         return all(await self._each_replica("flush_cache"))
+
+    async def update_lora(self, name: str, path: str | None) -> tuple[bool, str]:
+        return False, ("loading or unloading LoRA adapters at run time is not supported behind Ray Serve: name "
+                       "them in --lora-paths when deploying")
 
     async def get_server_info(self) -> dict[str, Any]:
         from radixlang.runtime.dp.replica_states import merge_states

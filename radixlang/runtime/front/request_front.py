@@ -39,7 +39,7 @@ from radixlang.runtime.dp.router import Router
 from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
-    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq, check_embedding_match,
+    GetInternalStateReq, LoRAUpdateOut, LoRAUpdateReq, SchedulerReady, TokenizedGenerateReq, check_embedding_match,
 )
 from radixlang.runtime.generation_config import sampling_defaults
 from radixlang.runtime.front.request_output import Item, RequestOutput, expand_requests, is_batched
@@ -48,8 +48,8 @@ from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-ControlReq = FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq
-ControlOut = FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut
+ControlReq = FlushCacheReq | GetInternalStateReq | CheckMemoryLeakReq | LoRAUpdateReq
+ControlOut = FlushCacheOut | GetInternalStateOut | CheckMemoryLeakOut | LoRAUpdateOut
 _T = TypeVar("_T")
 
 
@@ -199,7 +199,8 @@ class RequestFront:
 
     def __init__(self, transport: Transport, *, tokenizer: Any, server_args: ServerArgs, router: Router,
                  name: str = "server", info_extra: dict[str, Any] | None = None,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+                 sampling_defaults: dict[str, Any] | None = None,
+                 lora_adapters: dict[str, str] | None = None) -> None:
         self.transport = transport
         self.tokenizer = tokenizer
         self.server_args = server_args
@@ -210,6 +211,8 @@ class RequestFront:
         self.name = name
         self.info_extra = dict(info_extra or {})
         self.error: str | None = None
+        # the LoRA adapters every replica serves: name -> folder (updated by load_lora / unload_lora)
+        self.lora_adapters = dict(lora_adapters or {})
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
 
@@ -225,7 +228,8 @@ class RequestFront:
         router = Router(len(readies), policy=policy, max_tree_tokens=[r.kv_pool_size for r in readies])
         return cls(transport, tokenizer=tokenizer, server_args=args, router=router, name=name,
                    info_extra=info_extra,
-                   sampling_defaults=sampling_defaults(args.generation_config, readies[0].model_dir))
+                   sampling_defaults=sampling_defaults(args.generation_config, readies[0].model_dir),
+                   lora_adapters=readies[0].lora_adapters)
 
     @property
     def num_pending(self) -> int:
@@ -239,7 +243,7 @@ class RequestFront:
     def submit(self, input_ids: list[int], text: str | None, params: SamplingParams, *, sink: Sink,
                return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
                stream: bool = False, rid: str | None = None, embedding: bool = False,
-               embedding_dimensions: int | None = None) -> Pending:
+               embedding_dimensions: int | None = None, lora_path: str | None = None) -> Pending:
         """Route one expanded request, register it and send it; its snapshots go to ``sink``.
 
         ``embedding``: return the prompt's pooled embedding (snapshot key "embedding") instead of
@@ -247,6 +251,7 @@ class RequestFront:
         rid = rid or uuid.uuid4().hex
         check_embedding_match(embedding=embedding, is_embedding=self.server_args.is_embedding,
                               model=self.server_args.served_model_name)
+        self.check_lora(lora_path)
         with self._lock:
             if self.error is not None:
                 raise RuntimeError(f"the {self.name} has failed: {self.error}")
@@ -259,7 +264,7 @@ class RequestFront:
                                    return_logprob=return_logprob,
                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                                    top_logprobs_num=top_logprobs_num, stream=stream, embedding=embedding,
-                                   embedding_dimensions=embedding_dimensions)
+                                   embedding_dimensions=embedding_dimensions, lora_name=lora_path)
         try:
             self.transport.send(replica, req)
         except BaseException:
@@ -392,6 +397,19 @@ class RequestFront:
         for rid in rids:
             self.abort_request(rid)
 
+    def check_lora(self, name: str | None) -> None:
+        """A RequestError naming ``lora_path`` unless ``name`` is None or a served LoRA adapter."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise RequestError(f"lora_path must be the name of a loaded LoRA adapter, got {name!r}", "lora_path")
+        if not self.server_args.enable_lora:
+            raise RequestError(f"LoRA adapters are not enabled on this server (the request names {name!r}): start "
+                               "it with --enable-lora or --lora-paths", "lora_path")
+        if name not in self.lora_adapters:
+            served = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {served})", "lora_path")
+
     # ---- control fan-out -------------------------------------------------------------------------------
     def _messages(self, make: Callable[[str], ControlReq]) -> list[ControlReq]:
         if self.error is not None:
@@ -427,6 +445,33 @@ class RequestFront:
                 leaks.append(f"replica {i}: {out.message}")
         if leaks:
             raise RuntimeError("; ".join(leaks))
+
+    def _lora_updated(self, name: str, path: str | None, outs: list[ControlOut]) -> LoRAUpdateOut:
+        """Every replica's reply to one load / unload: the first refusal, else the (shared) success."""
+        replies = [_expect(LoRAUpdateOut, out, f"replica {i}'s LoRA update reply") for i, out in enumerate(outs)]
+        failed = [r for r in replies if not r.success]
+        if failed and len(failed) < len(replies):  # replicas disagree: put them back in step
+            logger.error("LoRA update of %r failed on %d of %d replicas: %s", name, len(failed), len(replies),
+                         failed[0].message)
+        if not failed:
+            if path is None:
+                self.lora_adapters.pop(name, None)
+            else:
+                self.lora_adapters[name] = path
+        return failed[0] if failed else replies[0]
+
+    def _lora_messages(self, name: str, path: str | None) -> list[ControlReq]:
+        if not self.server_args.enable_lora:
+            raise RequestError("LoRA adapters are not enabled on this server: start it with --enable-lora or "
+                               "--lora-paths", "lora_name")
+        return self._messages(lambda cid: LoRAUpdateReq(name=name, path=path, rid=cid))
+
+    def update_lora(self, name: str, path: str | None) -> LoRAUpdateOut:
+        """Load (``path`` given) or unload a LoRA adapter on every replica."""
+        return self._lora_updated(name, path, self.transport.control(self._lora_messages(name, path)))
+
+    async def aupdate_lora(self, name: str, path: str | None) -> LoRAUpdateOut:
+        return self._lora_updated(name, path, await self.transport.acontrol(self._lora_messages(name, path)))
 
     def flush_cache(self) -> bool:
         """Flush every replica's radix cache (and the router's copy of it); False if one refused (busy)."""
@@ -494,6 +539,14 @@ class AsyncFront:
 
     async def flush_cache(self) -> bool:
         return await self.front.aflush_cache()
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        return self.front.lora_adapters
+
+    async def update_lora(self, name: str, path: str | None) -> tuple[bool, str]:
+        out = await self.front.aupdate_lora(name, path)
+        return out.success, out.message
 
     async def get_server_info(self) -> dict[str, Any]:
         return await self.front.aget_server_info()

@@ -27,6 +27,9 @@ class ForwardBatch:
     # EXTEND: each request's prompt length; length-dependent rotary rules rotate prompt positions by it
     # (models/layers/rotary.py: length_rows). None: every position takes its table row
     prompt_lens_cpu: list[int] | None = None
+    # every linear must see the step's rows whole, not slices of them: the LoRA adapters' deltas know the
+    # step's rows by position (runtime/lora/layer.py), so a layer may not run its rows a slice at a time
+    whole_rows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -48,3 +51,4 @@ class StepInputs:
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     logit_rows: torch.Tensor  # [num_rows] int64: token rows whose logits are returned
     prompt_lens: list[int] | None = None  # [bs]: as ForwardBatch.prompt_lens_cpu
+    lora_ids: list[int | None] | None = None  # [bs]: each request's LoRA adapter id (None: the base model)

@@ -16,7 +16,8 @@ import torch
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.kernels.attention.torch_native import TorchNativeAttnBackend
 from radixlang.kernels.cuda_graph import CudaGraphRunner, DecodeGraphInputs, GraphAttnBackend
-from radixlang.runtime.server_args import ServerArgs
+from radixlang.runtime.lora.manager import LoRAManager
+from radixlang.runtime.server_args import ServerArgs, split_lora_path
 from radixlang.runtime.model_executor.decode_stack import DecodeStack
 from radixlang.runtime.model_executor.distributed import DistComm, init_group, recv_step, send_step, send_stop
 from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInputs
@@ -111,6 +112,7 @@ class ModelRunner:
         if self.device == "cpu" and not args.disable_cpu_kernels and self.model.use_cpu_kernels():
             logger.info("norms, rotary and SwiGLU run on radixlang's CPU kernels")
             self.decode_stack = DecodeStack.build(self.model)
+        self.lora = self._init_lora(args)
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.model_dir = loaded.model_dir  # where generation_config.json is read (runtime/generation_config.py)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -141,6 +143,19 @@ class ModelRunner:
                     swa, self.kv_pool.total_bytes / 2**20, self.kv_pool.per_token_bytes, kv_size.how,
                     self.context_len, args.attention_backend,
                     f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp else "")
+
+    def _init_lora(self, args: ServerArgs) -> LoRAManager | None:
+        """The adapters' manager with --lora-paths registered (None without --enable-lora). A batch with an
+        adapter runs the layer-by-layer forward, eagerly (no fused CPU decode step, no CUDA graph); batches
+        of the base model alone keep both."""
+        if not args.enable_lora:
+            return None
+        if not hasattr(self.model, "lora_target"):
+            raise ValueError(f"LoRA adapters are not supported for {type(self.model).__name__}")
+        manager = LoRAManager(self.model, dtype=self.dtype, device=self.device, max_loaded=args.max_loaded_loras)
+        for entry in args.lora_paths:
+            manager.register(*split_lora_path(entry))
+        return manager
 
     def _swa_layer_windows(self, args: ServerArgs) -> list[int | None] | None:
         """Each layer's window where window layers get a slot space of their own (some window is shorter
@@ -293,18 +308,26 @@ class ModelRunner:
         rows = inputs.logit_rows
         # a decode step (or a prompt with every token's logprobs) wants every row: no gather then
         every = len(rows) == len(inputs.input_ids) and torch.equal(rows, torch.arange(len(rows)))
-        with torch.inference_mode():
-            if (every and self.graph_runner is not None and inputs.mode is ForwardMode.DECODE
-                    and self.graph_runner.can_run(fb.batch_size)):
-                return self.graph_runner.replay(fb.input_ids, fb.positions, fb)
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = (self.decode_stack.forward(fb.input_ids, fb.positions, fb)
-                      if every and self.decode_stack is not None else None)  # None: a step it does not take
-            if hidden is None:
-                hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
-            if self.args.is_embedding:
-                return hidden  # [len(rows), hidden] in the model's dtype
-            return self.model.compute_logits(hidden)  # [len(rows), vocab] float32
+        # a step with adapter rows runs the model's own layers, whose linears add the deltas
+        adapters = (self.lora is not None and inputs.lora_ids is not None
+                    and self.lora.begin_step(inputs.lora_ids, inputs.extend_lens, None if every else rows))
+        fb.whole_rows = adapters
+        try:
+            with torch.inference_mode():
+                if (every and not adapters and self.graph_runner is not None and inputs.mode is ForwardMode.DECODE
+                        and self.graph_runner.can_run(fb.batch_size)):
+                    return self.graph_runner.replay(fb.input_ids, fb.positions, fb)
+                self.attn_backend.init_forward_metadata(fb)
+                hidden = (self.decode_stack.forward(fb.input_ids, fb.positions, fb)
+                          if every and not adapters and self.decode_stack is not None else None)  # None: not taken
+                if hidden is None:
+                    hidden = self.model(fb.input_ids, fb.positions, fb, None if every else rows.to(dev))
+                if self.args.is_embedding:
+                    return hidden  # [len(rows), hidden] in the model's dtype
+                return self.model.compute_logits(hidden)  # [len(rows), vocab] float32
+        finally:
+            if adapters and self.lora is not None:
+                self.lora.end_step()
 
     def shutdown(self) -> None:
         """Rank 0: stop the follower ranks and leave the group. Idempotent; a no-op without TP."""

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixlang.runtime.lora.manager import LoRAManager
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.model_executor.forward_batch import StepInputs
 
@@ -23,6 +24,7 @@ class Runner(Protocol):
     req_to_token_pool: ReqToTokenPool
     kv_pool: TokenToKVPool
     model_dir: str  # the model's folder: an embedding server reads its pooling config there
+    lora: LoRAManager | None  # the LoRA adapters it serves (--enable-lora), else None
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one step; logits [len(inputs.logit_rows), vocab_size] float32 on the host.

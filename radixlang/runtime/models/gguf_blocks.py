@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.layers.linear import KernelWeight
+from radixlang.runtime.models.layers.linear import KernelWeight, OutputDelta
 
 LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
@@ -151,6 +151,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.source_type = source_type
         self.dense: nn.Module | None = None  # see add_prefill_copies_
+        self.lora: OutputDelta | None = None  # LoRA adapters' deltas on this linear (runtime/lora/layer.py)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.source_type} as {self.weight_q.layout}"
@@ -177,4 +178,5 @@ class QuantLinear(nn.Module):
             y = self.dense(x2)
         else:
             y = F.linear(x2, qk.dequantize(self.weight_q), self.bias)
-        return y.to(x.dtype).view(*lead, self.out_features)
+        y = y.to(x.dtype).view(*lead, self.out_features)
+        return y if self.lora is None else self.lora.add(x, y)

@@ -23,7 +23,7 @@ from torch import nn
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
-from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.linear import Linear, Piece
 from radixlang.runtime.models.layers.moe import Experts, MoEBlock, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
@@ -183,7 +183,8 @@ class DecoderLayer(nn.Module):
         if keep_rows is not None:
             x, residual = x[keep_rows], residual[keep_rows]
         n = x.shape[0]
-        if n <= packed.CHUNK_ROWS or not (self.row_slices and self.mlp.fused and self.post_attention_layernorm.fused):
+        if (n <= packed.CHUNK_ROWS or getattr(forward_batch, "whole_rows", False)
+                or not (self.row_slices and self.mlp.fused and self.post_attention_layernorm.fused)):
             return self._after_attention(x, residual)
         # a long prefill runs everything after attention a packed-matmul slice of rows at a time: the
         # slice's activations (its 2 x intermediate gate/up floats per row above all) stay in cache
@@ -375,8 +376,7 @@ class LlamaForCausalLM(nn.Module):
         Under tensor parallelism each tensor is first cut to this rank's slice.
         """
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = _FUSED
         seen: set[str] = set()
         for name, tensor in weights:
             name = self.checkpoint_name(name.removeprefix("model."))
@@ -420,6 +420,33 @@ class LlamaForCausalLM(nn.Module):
             module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, device="meta"),
                                                     requires_grad=False)
 
+    def lora_target(self, module: str) -> tuple[str, Piece] | None:
+        """Where a checkpoint's linear (``model.layers.0.self_attn.q_proj``, as a PEFT adapter names it) lives
+        here: (the path of the linear serving it, its output columns there), None if no linear serves it."""
+        name = self.checkpoint_name(module.removeprefix("model.") + ".weight")
+        parts = name.split(".")
+        if len(parts) < 2:
+            return None
+        kind = parts[-2]
+        target, shard = _FUSED.get(kind, (kind, None))
+        path = ".".join(parts[:-2] + [target])
+        try:
+            linear = self.get_submodule(path)
+        except AttributeError:
+            return None
+        out = getattr(linear, "out_features", None)
+        if not isinstance(out, int):
+            return None
+        if shard is None:
+            return path, Piece(0, out)
+        if target == "qkv_proj":
+            attn = self.get_submodule(path.rpartition(".")[0])
+            q, kv = attn.q_size, attn.kv_size
+            offset, size = [(0, q), (q, kv), (q + kv, kv)][shard]
+        else:
+            offset, size = shard * (out // 2), out // 2
+        return path, Piece(offset, size)
+
     def _shard_range(self, target: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         if target == "qkv_proj":
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -441,6 +468,11 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("embed_tokens", "lm_head"):
             return shard_vocab(tensor, rank, size)
         return tensor  # norms are replicated
+
+
+# checkpoint modules this model serves side by side in one linear: name -> (the fused linear, its shard)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def unfused_pieces(name: str, tensor: torch.Tensor, q_size: int,

@@ -36,6 +36,7 @@ class Req:
     swa_window_released: bool = False  # its prefix lock no longer holds window KV (mem_cache/swa_req_cache.py)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported)
     cache_namespace: tuple | None = None  # the radix-tree namespace its KV is shared in (CachedReq)
+    lora_id: int | None = None  # the LoRA adapter it runs under (runtime/lora/manager.py); None: the base model
     # output state
     finished_reason: FinishReason | None = None
     sent_output_len: int = 0  # output ids already sent to the detokenizer
@@ -154,4 +155,6 @@ class ScheduleBatch:
                           req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
                           seq_lens=seq_lens, prefix_lens=list(self.prefix_lens),
                           extend_lens=list(self.extend_lens), out_cache_loc=self.out_cache_loc,
-                          logit_rows=logit_rows, prompt_lens=[r.prompt_len for r in reqs])
+                          logit_rows=logit_rows, prompt_lens=[r.prompt_len for r in reqs],
+                          lora_ids=([r.lora_id for r in reqs] if any(r.lora_id is not None for r in reqs)
+                                    else None))

@@ -20,7 +20,7 @@ import zmq
 from radixlang.runtime.server_args import ServerArgs
 from radixlang.runtime.io_struct import (
     AbortReq, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
-    GetInternalStateReq, SchedulerReady, TokenizedGenerateReq, decode, encode,
+    GetInternalStateReq, LoRAUpdateReq, SchedulerReady, TokenizedGenerateReq, decode, encode,
 )
 from radixlang.runtime.ipc import (
     IpcNames, ParentWatch, exit_with_parent, ignore_stop_signals, pull_socket, push_socket, remove_private_dir,
@@ -129,6 +129,8 @@ class SchedulerLoop:
             return FlushCacheOut(success=out.success, message=out.message, rid=msg.rid)
         elif isinstance(msg, GetInternalStateReq):
             return GetInternalStateOut(state=sched.get_internal_state(), rid=msg.rid)
+        elif isinstance(msg, LoRAUpdateReq):
+            return sched.update_lora(msg)
         elif isinstance(msg, CheckMemoryLeakReq):
             try:
                 sched.check_memory_leak()

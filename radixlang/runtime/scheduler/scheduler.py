@@ -26,9 +26,10 @@ from radixlang.runtime.errors import RequestError
 from radixlang.runtime.scheduler.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
 from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
-from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, SchedulerReady,
-                                         TokenizedGenerateReq, check_embedding_match)
+from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, LoRAUpdateOut,
+                                         LoRAUpdateReq, SchedulerReady, TokenizedGenerateReq, check_embedding_match)
 from radixlang.runtime.scheduler.kv_slots import KVSlots
+from radixlang.runtime.scheduler.lora_batch import BatchAdapters, cache_namespace
 from radixlang.runtime.scheduler.pooled_step import add_pooled, pooled_rows
 from radixlang.runtime.scheduler.request_checks import token_budget
 from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
@@ -87,6 +88,7 @@ class Scheduler:
         # an embedding server pools final hidden states (pooled_step.py) and samples nothing
         self.pooling: PoolingConfig | None = (read_pooling_config(self.runner.model_dir) if self.args.is_embedding
                                               else None)
+        self.adapters = BatchAdapters(self.runner.lora, max_per_batch=self.args.max_loras_per_batch)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -102,12 +104,14 @@ class Scheduler:
         except ValueError as e:  # a RequestError, or a grammar the compiler refused
             self.outputs.add_error(tr.rid, str(e), prompt_tokens=len(tr.input_ids), param=getattr(e, "param", None))
             return
+        lora_id = self.adapters.id_of(tr.lora_name)
         req = Req(rid=tr.rid, origin_input_ids=list(tr.input_ids), sampling_params=params, max_new_tokens=budget,
                   return_logprob=tr.return_logprob, logprob_start_len=tr.logprob_start_len,
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
-                  arrival_time=time.monotonic(),
-                  cache_namespace=rope_length_key(self.runner.hf_config, len(tr.input_ids)))
+                  arrival_time=time.monotonic(), lora_id=lora_id,
+                  cache_namespace=cache_namespace(rope_length_key(self.runner.hf_config, len(tr.input_ids)),
+                                                  lora_id))
         if self.pooling is not None:
             req.pooled = PooledRows(positions=self.pooling.positions(req.prompt_len),
                                     dimensions=tr.embedding_dimensions)
@@ -130,6 +134,7 @@ class Scheduler:
             raise RequestError(f"input_ids must be in [0, {vocab_size}), got {bad[0]}", "input_ids")
         _validate_request_extras(tr, vocab_size)
         self._validate_embedding(tr)
+        self.adapters.check(tr.lora_name)
         if len(tr.input_ids) >= context_len:
             raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the context length is "
                                f"{context_len}", "input_ids")
@@ -164,7 +169,8 @@ class Scheduler:
         runner = self.runner
         return SchedulerReady(replica=replica, pid=os.getpid(), server_args=self.args.to_dict(),
                               model_path=runner.model_path, tokenizer_path=runner.tokenizer_path,
-                              kv_pool_size=self.kv_pool.size, model_dir=runner.model_dir)
+                              kv_pool_size=self.kv_pool.size, model_dir=runner.model_dir,
+                              lora_adapters=self.adapters.listed())
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
@@ -211,6 +217,8 @@ class Scheduler:
             fresh = req.req_pool_idx is None
             if fresh and reqs and self.cache.should_defer(req, reqs):
                 continue  # its shared prefix is being computed in this batch: reuse it next step
+            if not self.adapters.admit(req, self.running, reqs):
+                continue  # its adapter would pass max_loras_per_batch, or cannot be loaded yet: a later step
             if fresh and not self.kv.admit(req):
                 break
             remaining = req.seq_len - req.kv_len
@@ -483,6 +491,10 @@ class Scheduler:
         self.check_memory_leak()
         return FlushCacheOut(success=True, message="cache flushed")
 
+    def update_lora(self, msg: LoRAUpdateReq) -> LoRAUpdateOut:
+        """Load (msg.path given) or unload an adapter by name."""
+        return self.adapters.update(msg)
+
     def check_memory_leak(self) -> None:
         """When idle: raise RuntimeError unless every KV slot is free or cached and no request slot is held."""
         if not self.is_idle():
@@ -495,9 +507,12 @@ class Scheduler:
             raise RuntimeError(leak)
 
     def get_internal_state(self) -> dict[str, Any]:
-        return self.metrics.internal_state(kv_pool=self.kv_pool, cache=self.cache, num_running=len(self.running),
-                                           num_waiting=len(self.waiting), context_len=self.runner.context_len,
-                                           vocab_size=self.runner.vocab_size)
+        state = self.metrics.internal_state(kv_pool=self.kv_pool, cache=self.cache, num_running=len(self.running),
+                                            num_waiting=len(self.waiting), context_len=self.runner.context_len,
+                                            vocab_size=self.runner.vocab_size)
+        if self.adapters.manager is not None:
+            state["lora"] = self.adapters.manager.state()
+        return state
 
 
 def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ReqCache:

@@ -80,6 +80,7 @@ class ScriptedRunner:
                                      device="cpu")
         self.script = script
         self.calls: list[StepInputs] = []
+        self.lora = None  # no LoRA adapters (a scheduler test of LoRA batching passes its own manager)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         self.calls.append(inputs)

@@ -12,7 +12,7 @@ import orjson
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlang.runtime.entrypoints.http_common import (
-    Front, chat_template_of, check_outputs, model_name, parse_model, unknown_model,
+    Front, chat_template_of, check_outputs, lora_of_model, model_name, parse_model, unknown_model,
 )
 from radixlang.runtime.entrypoints.openai.chat_output import ChatOutput, keep_special_markers, special_tokens
 from radixlang.runtime.entrypoints.openai.reasoning_parser import make_reasoning_parser
@@ -35,7 +35,7 @@ _RENAMED_PARAMS = ("sampling_seed", "max_new_tokens", "min_new_tokens")  # messa
 
 async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(CompletionRequest, body)
-    if (missing := unknown_model(engine, req.model)) is not None:
+    if (missing := unknown_model(engine, req.model, adapters=True)) is not None:
         return missing
     if req.suffix is not None:
         raise RequestError("suffix is not supported", "suffix")
@@ -46,7 +46,7 @@ async def serve_completions(engine: Front, body: dict[str, Any]) -> Response:
 
 async def serve_chat(engine: Front, body: dict[str, Any]) -> Response:
     req = parse_model(ChatRequest, body)
-    if (missing := unknown_model(engine, req.model)) is not None:
+    if (missing := unknown_model(engine, req.model, adapters=True)) is not None:
         return missing
     chat = prepare_chat(engine, req)
     return await _serve_openai(engine, req, [chat.ids], chat.params, chat=True, tools=chat.tools,
@@ -196,10 +196,11 @@ async def _run_openai(engine: Front, req: Any, prompts: list, params: dict[str, 
     if len(prompts) * req.n > _MAX_CHOICES:
         raise RequestError(f"prompts x n must be <= {_MAX_CHOICES}, got {len(prompts) * req.n}", "n")
     key = "input_ids" if prompts and not isinstance(prompts[0], str) else "prompt"
-    lp = {"return_logprob": top_logprobs is not None, "top_logprobs_num": top_logprobs or 0}
+    lp = {"return_logprob": top_logprobs is not None, "top_logprobs_num": top_logprobs or 0,
+          "lora_path": lora_of_model(engine, req.model)}
     if echo and top_logprobs is not None:
         lp["logprob_start_len"] = 0  # the prompt's logprobs come first, as OpenAI's echo gives them
-    ctx = _Ctx(engine=engine, model=model_name(engine), chat=chat, tools=tools,
+    ctx = _Ctx(engine=engine, model=req.model if lp["lora_path"] else model_name(engine), chat=chat, tools=tools,
                forced=_forced(req, tools), logprobs=top_logprobs is not None,
                rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", req=req,
                echo_texts=_echo_texts(engine, prompts, req.n) if echo else None, drop=drop)

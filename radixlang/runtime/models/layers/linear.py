@@ -15,7 +15,7 @@ weights, the MoE kernel folds a shared expert's plain float32 weights into its e
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,22 @@ class KernelWeight(NamedTuple):
     weight: object
     bias: torch.Tensor | None
     c_rows: frozenset[int] = frozenset()
+
+
+class Piece(NamedTuple):
+    """A checkpoint module's share of a fused linear's output (q_proj in qkv_proj): columns
+    [offset, offset + size)."""
+    offset: int
+    size: int
+
+
+class OutputDelta(Protocol):
+    """What a linear adds to its output after its own matmul: the LoRA adapters' deltas of a batch
+    (runtime/lora/layer.py). Set on a linear as its ``lora``; None: nothing is added."""
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [..., out] (x [..., in] the linear's input) with the delta added; may change y in place."""
+        ...
 
 
 class LinearMethod:
@@ -81,10 +97,13 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None
         self.bias: nn.Parameter | None
         self.kernel: nn.Module | None = None  # the method's storage after loading (process_after_loading)
+        # the LoRA adapters' deltas on this linear (runtime/lora/layer.py), set once an adapter targets it
+        self.lora: OutputDelta | None = None
         self.method.create_weights(self, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def release_float_weights(self) -> None:
         """Drop the loaded float parameters once the method's own storage holds the weight (a tied head's
