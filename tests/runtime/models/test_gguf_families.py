@@ -503,3 +503,28 @@ def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers_on_the_rounded_wei
     model = load_model(path).model
     _assert_prompt_logprobs(model, hf, "gpt_oss mxfp4")
     assert _greedy(model, PROMPTS[0], NEW_TOKENS) == _hf_greedy(hf, PROMPTS[0])
+
+
+def test_gguf_sampling_metadata_becomes_the_models_defaults(tmp_path, monkeypatch):
+    """general.sampling.* (llama.cpp's converter copies the model's generation_config.json there) gives a
+    GGUF's requests the defaults a folder's generation_config.json gives (--generation-config auto)."""
+    from radixlang.runtime.generation_config import sampling_defaults
+    from radixlang.runtime.models.loader.gguf_convert import ensure_converted
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=1)
+
+    def tokenizer_and_sampling(w) -> None:
+        add_smollm_tokenizer(w)
+        w.add_float32("general.sampling.temp", 0.6)
+        w.add_float32("general.sampling.top_p", 0.9)
+        w.add_int32("general.sampling.top_k", 40)
+        w.add_float32("general.sampling.penalty_repeat", 1.1)
+
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(folder, path, "llama", tokenizer=tokenizer_and_sampling)
+    got = sampling_defaults("auto", ensure_converted(path))
+    assert got == pytest.approx({"temperature": 0.6, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1})
+    assert isinstance(got["top_k"], int)
+    plain = str(tmp_path / "plain.gguf")
+    _write_gguf(folder, plain, "llama")
+    assert sampling_defaults("auto", ensure_converted(plain)) == {}

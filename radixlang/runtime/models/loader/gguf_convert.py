@@ -28,8 +28,8 @@ from radixlang.runtime.models.loader.gguf_weights import (
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT = "v4"  # v2: with a float32 model.safetensors; v3: config and tokenizer only; v4: and
-# generation_config.json (every EOS id)
+_CACHE_FORMAT = "v5"  # v2: with a float32 model.safetensors; v3: config and tokenizer only; v4: and
+# generation_config.json (every EOS id); v5: and the file's general.sampling.* defaults in it
 SOURCE_FILE = "source.json"
 
 
@@ -296,6 +296,23 @@ def eos_token_ids(fields: dict[str, Any], tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+# general.sampling.* (what llama.cpp's converter copies from the model's generation_config.json) ->
+# generation_config.json's names, read by runtime/generation_config.py under --generation-config auto
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a GGUF's metadata carries, under generation_config.json's names."""
+    out: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = fields.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
 def _convert(gguf_path: str, out: Path, gguf_file: GGUFFile) -> None:
     from transformers import AutoConfig
 
@@ -308,9 +325,11 @@ def _convert(gguf_path: str, out: Path, gguf_file: GGUFFile) -> None:
     tokenizer = _tokenizer(src)
     tokenizer.save_pretrained(out)
     eos = eos_token_ids(gguf_file.fields, tokenizer)
-    if eos:
+    sampling = gguf_sampling_defaults(gguf_file.fields)
+    if eos or sampling:
         (out / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": gguf_file.fields.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos}, indent=2))
+            {"bos_token_id": gguf_file.fields.get("tokenizer.ggml.bos_token_id"),
+             **({"eos_token_id": eos} if eos else {}), **sampling}, indent=2))
     (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(src.resolve()), "size": os.stat(src).st_size}))
     logger.info("GGUF %s (%s as %s): config and tokenizer in %s; weights read from the file at load",
                 src.name, arch, spec.hf_arch, out)
