@@ -44,9 +44,10 @@ class ServerArgs:
     device: str = _f("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     quantization: str | None = _f(None, "weight-only quantized linears on the CPU. int8 / int4: quantize a float "
                                         "checkpoint (lossy; int4 in groups of 32 with a scale and minimum each); "
-                                        "gguf: serve a GGUF file's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, "
-                                        "Q5_K, Q6_K). Absent with --dtype auto on the CPU: gguf for a quantized "
-                                        "GGUF file (the embedded model is Q4_1); --dtype float32 dequantizes it",
+                                        "gguf: serve a GGUF file's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, "
+                                        "Q8_0, Q4_K, Q5_K, Q6_K). Absent with --dtype auto on the CPU: gguf for a "
+                                        "quantized GGUF file (the embedded model is Q4_1); --dtype float32 dequantizes "
+                                        "it",
                                   (None, "int8", "int4", "gguf"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
     num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "

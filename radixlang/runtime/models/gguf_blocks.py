@@ -15,7 +15,8 @@ from torch import nn
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.layers.linear import KernelWeight, OutputDelta
 
-LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_K": ("q8", 32),
+LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_0": ("q8", 32),
+           "Q5_1": ("q8", 32), "Q5_K": ("q8", 32),
            "Q6_K": ("q8", 16)}  # the layout and group each type is kept in (decode_tensor, to_quant_weight)
 NATIVE_TYPES = tuple(LAYOUTS)
 
@@ -48,6 +49,17 @@ def _decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         d, m, qs = _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), raw[:, 4:20]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
         return q, d[:, None], m[:, None], 32
+    if kind in ("Q5_0", "Q5_1"):  # low nibbles as Q4_0's, plus bit j of the 32-bit qh as weight j's fifth bit
+        d = _f16(raw[:, 0:2])
+        start = 2 if kind == "Q5_0" else 4
+        qh = raw[:, start:start + 4].copy().view("<u4")  # [n, 1]
+        qs = raw[:, start + 4:start + 20]
+        lo = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = (lo | (hi << 4)).astype(np.int8)
+        if kind == "Q5_0":  # d * (q - 16): int8 codes of q - 16, no offset
+            return q - 16, d[:, None], np.zeros((n, 1), np.float32), 32
+        return q, d[:, None], _f16(raw[:, 2:4])[:, None], 32
     if kind == "Q8_0":
         d = _f16(raw[:, 0:2])
         return raw[:, 2:34].view(np.int8), d[:, None], np.zeros((n, 1), np.float32), 32
@@ -74,12 +86,12 @@ def _decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def block_bytes(kind: str) -> int:
-    return {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+    return {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
 
 
 def decode_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """A GGUF tensor's raw bytes -> codes [rows, cols], scales / offsets [rows, cols / group], group."""
-    per = 32 if kind in ("Q4_0", "Q4_1", "Q8_0") else 256
+    per = 32 if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 256
     if cols % per:
         raise ValueError(f"a {kind} tensor needs rows of a multiple of {per} weights, got {cols}")
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, block_bytes(kind))

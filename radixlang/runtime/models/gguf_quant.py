@@ -13,6 +13,8 @@ type   stored per block                           kept as (kernels/cpu/quant.py)
 Q4_0   32 x 4-bit, f16 scale d: d * (q - 8)        q4, scale d, offset -8d
 Q4_1   32 x 4-bit, f16 d and m: d * q + m          q4, scale d, offset m
 Q8_0   32 x int8, f16 d: d * q                      q8 (group 32), scale d, offset 0
+Q5_0   32 x 5-bit, f16 d: d * (q - 16)              q8 (group 32) of q - 16, scale d, offset 0
+Q5_1   32 x 5-bit, f16 d and m: d * q + m           q8 (group 32), scale d, offset m
 Q4_K   256: 8 x 32 x 4-bit, 6-bit scales / mins     q4, scale d * sc, offset -dmin * m
 Q5_K   256: 8 x 32 x 5-bit, 6-bit scales / mins     q8 (group 32), scale d * sc, offset -dmin * m
 Q6_K   256: 16 x 16 x 6-bit, int8 scales           q8 (group 16) of q - 32, scale d * sc, offset 0
@@ -22,7 +24,7 @@ Each weight the kernel decodes is ``q * scale + offset`` in float32, the number 
 holds up to one rounding. With float32 activations, outputs match the ``--dtype float32`` path (the same
 file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
 activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
-Tensors of other types (F16, Q5_0, Q2_K, ...) keep their dequantized float32 weights, with a log line
+Tensors of other types (F16, Q2_K, Q3_K, ...) keep their dequantized float32 weights, with a log line
 naming them. A MoE layer's stacked expert tensors are served the same way (gguf_experts.py), and so are
 its shared experts. q/k/v and gate/up are stacked into the model's fused projections (Phi-3's files hold
 them fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized

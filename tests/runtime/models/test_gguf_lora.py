@@ -1,7 +1,6 @@
-"""A LoRA adapter (float) on a GGUF-quantized base: the quantized server with the adapter gives what the
-same file dequantized to float32 gives with it, as closely as the two bases agree without one, and the
-float32 server equals PEFT (tests/e2e/test_lora.py); the fused CPU decode step keeps serving the base
-model's requests in between."""
+"""A LoRA adapter (float) on a GGUF-quantized base (Q8_0, Q5_0 and Q5_1 blocks, served natively): the
+quantized server with the adapter gives what the same file dequantized to float32 gives with it, as
+closely as the two bases agree without one, and the float32 server equals PEFT (tests/e2e/test_lora.py)."""
 from __future__ import annotations
 
 import gguf
@@ -13,8 +12,10 @@ from test_gguf_families import _write_gguf
 from tiny_model import save_tiny_hf_model
 
 PROMPT = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250, 4096, 88]
-Q8 = gguf.GGMLQuantizationType.Q8_0
-QUANT = {kind: Q8 for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+Q = gguf.GGMLQuantizationType
+# llama.cpp's mixes put Q5_0 / Q5_1 beside Q8_0 and the K types; q/k/v share one q8 layout
+QUANT = {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q8_0,
+         "ffn_up": Q.Q8_0, "ffn_down": Q.Q5_0}
 
 
 def _logprobs(engine: Engine, adapter: str | None) -> torch.Tensor:
@@ -36,8 +37,11 @@ def test_adapter_on_a_quantized_gguf_base(tmp_path):
     for kind, opts in (("quantized", {}), ("float32", {"dtype": "float32"})):
         with Engine(model_path=path, lora_paths=lora, max_total_tokens=2048, **opts) as engine:
             if kind == "quantized":
-                info = engine.get_server_info()
-                assert info["quantization"] == "gguf"
+                assert engine.get_server_info()["quantization"] == "gguf"
+                layer = engine.scheduler.runner.model.layers[0]  # every linear from the file's blocks
+                kinds = [layer.self_attn.qkv_proj.source_type, layer.self_attn.o_proj.source_type,
+                         layer.mlp.down_proj.source_type]
+                assert kinds == ["Q5_0/Q8_0", "Q5_1", "Q5_0"], kinds
             got[kind] = {a: _logprobs(engine, a) for a in (None, "r8", "r64")}
     base_gap = float((got["quantized"][None] - got["float32"][None]).abs().max())
     for adapter in ("r8", "r64"):

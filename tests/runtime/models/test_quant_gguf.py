@@ -14,7 +14,7 @@ from radixlang.runtime.server_args import ServerArgs
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not qk.available(), reason="no C compiler for the quantized kernels")
 
-BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 def _random_blocks(kind: str, n_blocks: int, seed: int) -> np.ndarray:
@@ -25,9 +25,9 @@ def _random_blocks(kind: str, n_blocks: int, seed: int) -> np.ndarray:
     halves = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
     if kind == "Q6_K":
         raw[:, 208:210] = halves[:, 0:2]
-    elif kind == "Q8_0" or kind == "Q4_0":
+    elif kind in ("Q8_0", "Q4_0", "Q5_0"):
         raw[:, 0:2] = halves[:, 0:2]
-    else:  # d and m (Q4_1) or d and dmin (K types)
+    else:  # d and m (Q4_1, Q5_1) or d and dmin (K types)
         raw[:, 0:4] = halves
     return raw
 
