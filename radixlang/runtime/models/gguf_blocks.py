@@ -102,9 +102,11 @@ def decode_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> tuple[np
             np.ascontiguousarray(offset, np.float32).reshape(rows, cols // group), group)
 
 
-def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int) -> qk.QuantWeight:
+def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int, *,
+                    layout: str | None = None) -> qk.QuantWeight:
+    """``layout``: q4 or q8, else the type's own (LAYOUTS)."""
     rows, cols = q.shape
-    if LAYOUTS[kind][0] == "q4":  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
+    if (layout or LAYOUTS[kind][0]) == "q4":  # our q4 order: byte i of a 32-group = weight i | weight i + 16 << 4
         g = q.astype(np.uint8).reshape(rows, cols // 32, 32)
         codes = torch.from_numpy(np.ascontiguousarray((g[..., :16] | (g[..., 16:] << 4)).reshape(rows, cols // 2)))
         layout = "q4"
@@ -116,12 +118,29 @@ def to_quant_weight(kind: str, q: np.ndarray, scale: np.ndarray, offset: np.ndar
 
 
 class DecodedBlocks(NamedTuple):
-    """One GGUF tensor decoded: codes [rows, cols], scales / offsets [rows, cols / group]."""
+    """One GGUF tensor decoded: codes [rows, cols], scales / offsets [rows, cols / group]; kept in
+    ``layout`` (None: its type's own, LAYOUTS)."""
     kind: str
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray
     group: int
+    layout: str | None = None
+
+    @property
+    def kept_as(self) -> tuple[str, int]:
+        return (self.layout or LAYOUTS[self.kind][0], self.group)
+
+    def in_layout(self, layout: str, group: int) -> DecodedBlocks:
+        """The same weights kept in ``layout`` with groups of ``group`` (dividing this one's): lossless, since
+        every code fits the wider layout (4-bit codes in int8) and a group's scale and offset repeat over its
+        smaller groups. A fused projection of mixed types (llama.cpp's Q4_K_M: Q4_K q/k, Q6_K v) is served
+        from one weight this way."""
+        if self.group % group or (layout == "q4" and self.kept_as[0] != "q4"):
+            raise ValueError(f"a {self.kind} tensor ({self.kept_as}) cannot be kept as {layout} groups of {group}")
+        k = self.group // group
+        return self._replace(scale=np.repeat(self.scale, k, axis=1), offset=np.repeat(self.offset, k, axis=1),
+                             group=group, layout=layout)
 
     def rows(self, first: int, end: int) -> DecodedBlocks:
         return self._replace(q=self.q[first:end], scale=self.scale[first:end], offset=self.offset[first:end])
@@ -150,7 +169,17 @@ class DecodedBlocks(NamedTuple):
 
     def weight(self) -> qk.QuantWeight:
         return to_quant_weight(self.kind, np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
-                               np.ascontiguousarray(self.offset), self.group)
+                               np.ascontiguousarray(self.offset), self.group, layout=self.layout)
+
+
+def common_layout(pieces: list[DecodedBlocks]) -> list[DecodedBlocks]:
+    """Pieces stacked into one weight, all kept alike: as they are when they already are, else as q8 codes
+    in the finest group among them (``DecodedBlocks.in_layout``)."""
+    kept = {p.kept_as for p in pieces}
+    if len(kept) == 1:
+        return pieces
+    group = min(g for _, g in kept)
+    return [p.in_layout("q8", group) for p in pieces]
 
 
 class QuantLinear(nn.Module):

@@ -24,7 +24,9 @@ Each weight the kernel decodes is ``q * scale + offset`` in float32, the number 
 holds up to one rounding. With float32 activations, outputs match the ``--dtype float32`` path (the same
 file dequantized) to float32 rounding; on a VNNI CPU, rows of one or two (decode steps) take their
 activations as int8 codes in three passes (22 bits; kernels/cpu/quant.py, docs/cpu.md), within ~1e-4.
-Tensors of other types (F16, Q2_K, Q3_K, ...) keep their dequantized float32 weights, with a log line
+A fused projection of parts in different layouts (Q4_K q/k beside a Q6_K v) is kept as q8 codes in the
+finest group among them, exactly (gguf_blocks.common_layout). Tensors of other types (F16, Q2_K, Q3_K, ...)
+keep their dequantized float32 weights, with a log line
 naming them. A MoE layer's stacked expert tensors are served the same way (gguf_experts.py), and so are
 its shared experts. q/k/v and gate/up are stacked into the model's fused projections (Phi-3's files hold
 them fused already: attn_qkv, and ffn_up for gate/up); the tied logits projection reads the quantized
@@ -55,7 +57,7 @@ from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_blocks import (LAYOUTS, NATIVE_TYPES, DecodedBlocks,
-                                                  QuantLinear, decode_tensor)
+                                                  QuantLinear, common_layout, decode_tensor)
 from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
 from radixlang.runtime.models.layers.linear import Linear
@@ -276,7 +278,7 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
         if rows is None or not isinstance(old, Linear) or \
                 tuple(old.weight.shape) != _rank_shape(model, target, rows, cols):
             kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
-        elif len({LAYOUTS[k] for k in kinds}) != 1:  # a fused projection: one layout
+        elif any(max(LAYOUTS[k][1] for k in kinds) % LAYOUTS[k][1] for k in kinds):  # no common group
             kept.append(f"blk.{layer_id}.{target} (mixed {'/'.join(sorted(kinds))})")
         elif tp is not None and target in _ROW_PARALLEL and (cols // tp.size) % TP_INPUT_ALIGN:
             why = (f"blk.{layer_id}.{target} ({cols} input features over tp_size {tp.size} is {cols // tp.size} "
@@ -347,8 +349,8 @@ def apply_gguf_quantization_(model: nn.Module, reader: GGUFFile) -> dict[str, in
                     piece = piece.cols(tp.rank * per, (tp.rank + 1) * per)
                 elif tp is not None:
                     piece = piece.rows(*_column_span(part, rows[part], tp, n_kv))
-                out.append(piece.weight())
-        return out
+                out.append(piece)
+        return [piece.weight() for piece in common_layout(out)]
 
     swapped: dict[str, int] = {}
     for (_, target), swap in plan.swaps.items():

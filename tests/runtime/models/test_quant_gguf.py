@@ -149,3 +149,58 @@ def test_prefill_copies_only_within_their_memory_budget(caplog):
         assert all(m.dense is not None for m in model)
         with torch.inference_mode():
             torch.testing.assert_close(model(x), plain, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_types_stack_into_one_weight_exactly():
+    """Q4_K q/k beside a Q6_K v (llama.cpp's Q4_K_M) or Q4_0 beside Q8_0: stacked as q8 codes in the finest
+    group, every weight the gguf package's dequantized value."""
+    for kinds in (("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0"), ("Q5_K", "Q4_1")):
+        cols = 256
+        parts, refs = [], []
+        for i, kind in enumerate(kinds):
+            raw = _random_blocks(kind, 4 * cols // BLOCK[kind], seed=i)
+            refs.append(gguf.quants.dequantize(raw.reshape(-1), getattr(gguf.GGMLQuantizationType, kind))
+                        .reshape(4, cols))
+            parts.append(gguf_blocks.DecodedBlocks(kind, *gguf_blocks.decode_tensor(kind, raw, 4, cols)))
+        stacked = qk.QuantWeight.concat([p.weight() for p in gguf_blocks.common_layout(parts)])
+        ref = np.concatenate(refs)
+        assert stacked.layout == "q8" and stacked.group == min(gguf_blocks.LAYOUTS[k][1] for k in kinds)
+        np.testing.assert_allclose(qk.dequantize(stacked).numpy(), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_mixed_type_projection_is_served_from_blocks(tmp_path, monkeypatch):
+    """A fused q/k/v of two layouts (Q4_0 q/k, Q8_0 v; gate/up Q4_0 beside a Q8_0 down) is one weight of q8
+    codes, not a float32 copy, and the fused CPU decode step still takes the model; its logprobs and greedy
+    tokens are the dequantized file's."""
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from test_gguf_families import _write_gguf
+    from tiny_model import save_tiny_hf_model
+
+    monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=2, hidden_size=128,
+                                intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    Q = gguf.GGMLQuantizationType
+    path = str(tmp_path / "mixed.gguf")
+    _write_gguf(folder, path, "llama", quant={"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0,
+                                              "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0,
+                                              "ffn_down": Q.Q8_0})
+    prompt = [1, 400, 2000, 7, 31000, 12, 99, 5, 48000, 3, 17, 250]
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "temperature": 0}
+    with Engine(model_path=path, max_total_tokens=1024) as eq:
+        runner = eq.scheduler.runner
+        layer = runner.model.layers[0]
+        for linear, kinds in ((layer.self_attn.qkv_proj, "Q4_0/Q8_0"), (layer.mlp.gate_up_proj, "Q4_0/Q8_0")):
+            assert isinstance(linear, QuantLinear) and linear.source_type == kinds
+            assert linear.weight_q.layout.startswith("q8")
+        assert runner.decode_stack is not None  # no float32 linear left to turn the fused step off
+        lq = eq.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                         logprob_start_len=0)["meta_info"]["input_token_logprobs"][1:]
+        gq = eq.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    with Engine(model_path=path, max_total_tokens=1024, dtype="float32") as ef:
+        lf = ef.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                         logprob_start_len=0)["meta_info"]["input_token_logprobs"][1:]
+        gf = ef.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    diff = max(abs(a[0] - b[0]) for a, b in zip(lq, lf))
+    assert diff < 2e-3, diff
+    assert gq == gf
