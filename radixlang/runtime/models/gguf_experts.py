@@ -21,7 +21,7 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks,
+from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks, common_layout,
                                                   decode_tensor)
 from radixlang.runtime.models.layers.moe import Experts, dispatch
 from radixlang.runtime.models.parallel import TPComm
@@ -103,8 +103,8 @@ def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int
             kept.append(f"{name}: not the three stacked tensors of a gated Experts layer")
         elif any(k not in NATIVE_TYPES for k in kinds):
             kept.append(f"{name}: a type without a native layout")
-        elif LAYOUTS[got["ffn_gate_exps"].tensor_type.name] != LAYOUTS[got["ffn_up_exps"].tensor_type.name]:
-            kept.append(f"{name}: gate and up in different layouts")
+        elif _no_common_group(got["ffn_gate_exps"].tensor_type.name, got["ffn_up_exps"].tensor_type.name):
+            kept.append(f"{name}: gate and up in groups that do not divide each other")
         elif _shapes(got) != (experts.num_experts, experts.inter * size, experts.hidden):
             kept.append(f"{name}: shapes {_shapes(got)} do not fit the model's experts")
         elif tp is not None and experts.inter % align:
@@ -112,6 +112,12 @@ def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int
         else:
             swaps[layer_id] = got
     return swaps, kept
+
+
+def _no_common_group(*kinds: str) -> bool:
+    """Whether gate and up cannot be stacked into one weight (gguf_blocks.common_layout)."""
+    groups = [LAYOUTS[k][1] for k in kinds]
+    return any(max(groups) % g for g in groups)
 
 
 def _shapes(got: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -139,8 +145,8 @@ def apply_experts_(model: nn.Module, swaps: dict[int, dict[str, Any]]) -> dict[s
         w13, w2 = [], []
         for e in range(int(got["ffn_gate_exps"].shape[2])):
             gate, up, down = (_blocks(got[k], slices[k][e]) for k in EXPERT_TENSORS)
-            mine = (gate.rows(first, first + per).weight(), up.rows(first, first + per).weight())
-            w13.append(qk.QuantWeight.concat(list(mine)))
+            mine = common_layout([gate.rows(first, first + per), up.rows(first, first + per)])  # Q4_K/Q6_K: q8
+            w13.append(qk.QuantWeight.concat([m.weight() for m in mine]))
             w2.append(down.cols(first, first + per).weight())
         kinds = "/".join(sorted({t.tensor_type.name for t in got.values()}))
         swap_experts_(model.layers[layer_id].mlp, w13, w2, kinds)

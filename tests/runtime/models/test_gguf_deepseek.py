@@ -215,7 +215,7 @@ def _quantized_deepseek(tmp_path, monkeypatch, family: str) -> str:
     t = gguf.GGMLQuantizationType
     write_deepseek_gguf(folder, path, newer=newer, quant={
         "attn_q": t.Q8_0, "attn_q_a": t.Q8_0, "attn_q_b": t.Q4_0, "attn_kv_a_mqa": t.Q8_0,
-        "ffn_gate_shexp": t.Q4_1, "ffn_up_shexp": t.Q4_1, "ffn_down_shexp": t.Q8_0,
+        "ffn_gate_shexp": t.Q4_1, "ffn_up_shexp": t.Q8_0, "ffn_down_shexp": t.Q8_0,  # mixed: one q8 gate/up
         "ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q4_0, "ffn_down_exps": t.Q8_0})
     return path
 
@@ -243,6 +243,7 @@ def test_quantized_deepseek_gguf_serves_mla_and_shared_experts_from_blocks(tmp_p
                 assert moe.shared_folded and moe.shared_experts is None
             else:
                 assert isinstance(moe.shared_experts.gate_up_proj, QuantLinear)
+                assert moe.shared_experts.gate_up_proj.source_type == "Q4_1/Q8_0"
                 assert isinstance(moe.shared_experts.down_proj, QuantLinear)
                 assert {"layers.1.self_attn.q_b_proj.weight", "layers.1.self_attn.kv_a_proj_with_mqa.weight",
                         "layers.1.mlp.shared_experts.down_proj.weight"} <= model.deferred_params

@@ -352,9 +352,10 @@ def test_a_cached_folder_of_the_earlier_design_is_not_used(tmp_path, monkeypatch
 
 @pytest.mark.e2e
 def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkeypatch):
-    """Q4_0 q/k with a Q8_0 v cannot share one fused kernel: that projection keeps its float32 weight,
-    loaded from the dequantized file; every other linear is served from its blocks and never loaded as
-    float32. Prompt log-probabilities match the same file run dequantized (--dtype float32)."""
+    """Q4_0 q/k with a Q8_0 v (as Q4_K_M puts Q4_K q/k beside a Q6_K v): the fused projection is one weight of
+    q8 codes (gguf_blocks.common_layout), so every linear is served from its blocks and none is loaded as
+    float32, and the fused CPU decode step keeps the model. Prompt log-probabilities and greedy tokens match
+    the same file run dequantized (--dtype float32)."""
     import gguf
 
     from radixlang import Engine
@@ -368,28 +369,32 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
                                               "attn_output": t.Q4_0, "ffn_gate": t.Q4_1, "ffn_up": t.Q4_1,
                                               "ffn_down": t.Q8_0})
     ids = PROMPTS[0]
-    kw = dict(model_path=path, max_total_tokens=512, disable_weight_packing=True)
+    kw = dict(model_path=path, max_total_tokens=512)
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "temperature": 0}
     with Engine(**kw) as quantized:
-        model = quantized.scheduler.runner.model
+        runner = quantized.scheduler.runner
+        model = runner.model
         layer = model.layers[0]
-        from radixlang.runtime.models.layers.linear import Linear, LinearMethod
         qkv = layer.self_attn.qkv_proj
-        assert type(qkv) is Linear and type(qkv.method) is LinearMethod  # mixed: kept float32 (plain), and loaded
-        assert not layer.self_attn.qkv_proj.weight.is_meta and layer.self_attn.qkv_proj.weight.abs().sum() > 0
+        assert isinstance(qkv, QuantLinear) and qkv.source_type == "Q4_0/Q8_0"
+        assert qkv.weight_q.layout.startswith("q8")  # the Q4_0 parts' 4-bit codes kept as 8-bit ones
         assert {type(m).__name__ for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)} \
             == {"QuantLinear"}
         assert layer.mlp.down_proj.source_type == "Q8_0" and layer.mlp.gate_up_proj.source_type == "Q4_1"
-        assert len(model.deferred_params) == 3 * 3  # o, gate/up, down of each of the 3 layers
+        assert len(model.deferred_params) == 4 * 3  # q/k/v, o, gate/up, down of each of the 3 layers
         assert not any(p.is_meta for p in model.parameters())
-        assert isinstance(model.layers[2].mlp.down_proj, QuantLinear)
+        assert runner.decode_stack is not None  # no float32 linear left to turn the fused step off
         got = quantized.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                                  logprob_start_len=0)
+        tokens = quantized.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
     with Engine(**kw, dtype="float32") as plain:
         want = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                               logprob_start_len=0)
+        want_tokens = plain.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
     a = torch.tensor([lp for lp, _, _ in got["meta_info"]["input_token_logprobs"][1:]])
     b = torch.tensor([lp for lp, _, _ in want["meta_info"]["input_token_logprobs"][1:]])
     assert len(a) == len(ids) - 1 and (a - b).abs().max() < 2e-3
+    assert tokens == want_tokens
 
 
 def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
@@ -427,7 +432,7 @@ def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypatch, family):
-    """A MoE file's stacked expert tensors (Q4_0 gate and up, Q8_0 down, as Q4_K_M files mix a 4-bit and an
+    """A MoE file's stacked expert tensors (Q4_0 gate, Q5_0 up, Q8_0 down, as Q4_K_M files mix a 4-bit and an
     8-bit layout) become QuantExperts and are never loaded as float32; prompt log-probabilities match the
     same file run dequantized (--dtype float32) and the greedy tokens agree."""
     import gguf
@@ -442,7 +447,8 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
     private_cache(tmp_path / "cache", monkeypatch)
     path = str(tmp_path / "moe.gguf")
     t = gguf.GGMLQuantizationType
-    _write_gguf(folder, path, arch, quant={"ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q4_0, "ffn_down_exps": t.Q8_0,
+    # gate and up in two layouts: stacked as one q8 weight per expert (gguf_blocks.common_layout)
+    _write_gguf(folder, path, arch, quant={"ffn_gate_exps": t.Q4_0, "ffn_up_exps": t.Q5_0, "ffn_down_exps": t.Q8_0,
                                            "attn_q": t.Q8_0, "attn_k": t.Q8_0, "attn_v": t.Q8_0})
     ids = PROMPTS[0]
     greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -451,7 +457,7 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
         model = quantized.scheduler.runner.model
         moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
         assert moe_layers and all(isinstance(m.experts, QuantExperts) for m in moe_layers)
-        assert {m.experts.source_type for m in moe_layers} == {"Q4_0/Q8_0"}
+        assert {m.experts.source_type for m in moe_layers} == {"Q4_0/Q5_0/Q8_0"}
         # on a VNNI CPU the steps below (the 14-token prompt's experts hold a few rows each) run each layer's
         # experts in one compiled call (quant.QuantMoE)
         assert all((m.experts.kernel is not None) == (qk.vnni() is not None) for m in moe_layers)
