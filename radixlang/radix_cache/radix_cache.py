@@ -11,6 +11,10 @@ kv indices it is given; slots [0, matched_len) duplicate what the tree already
 held and are the caller's to free. ``evict`` hands the slots of the leaves it
 drops to ``free_fn``. The tree never frees anything else and knows nothing of
 requests or pools.
+
+Scores: a node may keep, beside its KV, each token's logprob (and top-k) given everything before
+it (``store_scores``, read back by ``prefix_scores``; scores.py); they split with the node and go
+with it when it is evicted. They live in the node's namespace, so they are per adapter as its KV is.
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ from typing import Callable, Hashable, NamedTuple
 
 import torch
 
+from radixlang.radix_cache.scores import TokenScores, concat_scores, merge_scores, unknown_scores
+
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "swa_lock_ref", "swa_tombstone")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "swa_lock_ref", "swa_tombstone",
+                 "scores")
 
     def __init__(self, parent: TreeNode | None = None) -> None:
         self.children: dict[Hashable, TreeNode] = {}
@@ -33,6 +40,7 @@ class TreeNode:
         # SWARadixCache (swa_radix_cache.py): locks on the window KV, and whether the window KV is gone
         self.swa_lock_ref = 0
         self.swa_tombstone = False
+        self.scores: TokenScores | None = None  # [len(key)] per-token logprobs (scores.py); None: none known
 
     def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
@@ -167,10 +175,52 @@ class RadixCache:
         upper.key, upper.value = child.key[:n], child.value[:n]
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.swa_lock_ref, upper.swa_tombstone = child.swa_lock_ref, child.swa_tombstone
+        if child.scores is not None:
+            upper.scores, child.scores = child.scores.slice(0, n), child.scores.slice(n, len(child.key))
         parent.children[self._child_key(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key)] = child
         return upper
+
+    def store_scores(self, key: list[int], scores: TokenScores, namespace: Hashable | None = None) -> int:
+        """Keep ``scores`` (one per token of key) beside the cached tokens of key's longest cached prefix,
+        filling what was unknown there; return how many tokens that covered. No split, no access time."""
+        if len(scores) != len(key):
+            raise ValueError(f"one score per token: {len(key)} tokens, {len(scores)} scores")
+        node, pos = self._root_for(namespace), 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key[pos:]))
+            if child is None:
+                break
+            n = _common_len(child.key, key[pos:])
+            if n == 0:
+                break
+            part = scores.slice(pos, pos + n)
+            if n < len(child.key):
+                part = concat_scores([part, unknown_scores(len(child.key) - n)])
+            child.scores = merge_scores(child.scores, part)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
+    def prefix_scores(self, key: list[int], namespace: Hashable | None = None) -> TokenScores:
+        """Scores of key's longest cached prefix (NaN where unknown). Read only: no split, no access time."""
+        node, pos, parts = self._root_for(namespace), 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key[pos:]))
+            if child is None:
+                break
+            n = _common_len(child.key, key[pos:])
+            if n == 0:
+                break
+            parts.append(child.scores.slice(0, n) if child.scores is not None else unknown_scores(n))
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return concat_scores(parts)
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         delta = 0
@@ -244,6 +294,7 @@ class RadixCache:
         for node in self._nodes():
             _require(bool(node.key) and len(node.key) == int(node.value.numel()), "key/value length mismatch")
             _require(node.parent.children.get(self._child_key(node.key)) is node, "child stored under a wrong key")
+            _require(node.scores is None or len(node.scores) == len(node.key), "key/scores length mismatch")
             _require(node.lock_ref >= 0, "a negative lock_ref")
             for child in node.children.values():
                 _require(child.lock_ref <= node.lock_ref, "a locked node's ancestors must be locked")

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixlang.radix_cache.scores import TokenScores, unknown_scores
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
@@ -33,6 +34,9 @@ class CachedReq(Protocol):
     @property
     def seq_len(self) -> int: ...
 
+    def prompt_scores(self, end: int) -> TokenScores | None:
+        """The prompt logprobs it computed for fill_ids[:end] (NaN elsewhere), for the cache to keep."""
+
 
 class ReqCache(Protocol):
     """KV bookkeeping between the scheduler and the prefix cache (if any).
@@ -40,13 +44,16 @@ class ReqCache(Protocol):
     ``match`` returns the cached prefix's KV slots and the node to ``lock`` (``unlock(req)`` drops the lock on
     ``req.last_node``); ``cache_unfinished``
     hands a request's computed tokens to the cache (re-pointing its row at shared slots);
-    ``release`` frees what the request still owns and its pool slot; ``evict`` frees up to
+    ``prefix_scores`` are the stored prompt logprobs of the longest cached prefix of fill_ids[:max_len]
+    (radix_cache/scores.py; NaN where unknown); ``release`` frees what the request still owns and its pool
+    slot; ``evict`` frees up to
     ``num_tokens`` unlocked cached slots and returns how many it freed. ``room`` is how many tokens could
     get KV slots now (after evicting), ``make_room(n)`` evicts until n can; ``trim_window`` frees the window
     KV a running request's next queries cannot see (a no-op but for pools with an swa slot space).
     """
 
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, Any]: ...
+    def prefix_scores(self, req: CachedReq, max_len: int) -> TokenScores: ...
     def prefix_len(self, req: CachedReq) -> int: ...
     def should_defer(self, req: CachedReq, batch: Sequence[CachedReq]) -> bool: ...
     def dfs_weight_order(self, waiting: list) -> list: ...
@@ -74,6 +81,9 @@ class NoReqCache:
 
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, object]:
         return torch.empty(0, dtype=torch.int64), None
+
+    def prefix_scores(self, req: CachedReq, max_len: int) -> TokenScores:
+        return unknown_scores(0)
 
     def prefix_len(self, req: CachedReq) -> int:
         return 0

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from radixlang.radix_cache import RadixCache, TreeNode
+from radixlang.radix_cache.scores import TokenScores
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.mem_cache.req_cache import CachedReq
 
@@ -26,6 +27,9 @@ class TreeReqCache:
     def match(self, req: CachedReq, max_len: int) -> tuple[torch.Tensor, TreeNode]:
         kv, node = self.tree.match_prefix(req.fill_ids[:max_len], req.cache_namespace)
         return kv, node
+
+    def prefix_scores(self, req: CachedReq, max_len: int) -> TokenScores:
+        return self.tree.prefix_scores(req.fill_ids[:max_len], req.cache_namespace)
 
     def prefix_len(self, req: CachedReq) -> int:
         return int(self.tree.match_prefix(req.fill_ids[:req.seq_len - 1], req.cache_namespace).kv_indices.numel())
@@ -85,6 +89,9 @@ class TreeReqCache:
         kv = row[:kv_len].to(torch.int64)
         own_start = int(req.prefix_indices.numel())
         matched = self._insert(req, tokens, kv)
+        scores = req.prompt_scores(kv_len)
+        if scores is not None:  # a scoring request's prompt logprobs, for the next one that shares its prefix
+            self.tree.store_scores(tokens, scores, req.cache_namespace)
         if matched > own_start:  # someone else cached these positions meanwhile: ours are duplicates
             self.kv_pool.free(kv[own_start:matched])
         new_kv, new_node = self._match_inserted(req, tokens)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from radixlang.constrained import CompiledGrammar, Grammar
+from radixlang.radix_cache.scores import TokenScores, unknown_scores
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.io_struct import FinishReason
 from radixlang.runtime.model_executor.forward_batch import StepInputs
@@ -45,6 +46,7 @@ class Req:
     input_token_logprobs: list[list[float | int | None]] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
     sent_input_logprobs: bool = False
+    cached_input_logprobs: int = 0  # input_token_logprobs entries admission took from the prefix cache
     grammar: Grammar | None = None  # set once grammar_future has completed
     grammar_future: Future[CompiledGrammar] | None = None  # a constrained request's grammar, compiling
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not sampled
@@ -113,6 +115,26 @@ class Req:
     def input_logprob_unscored_first(self) -> bool:
         """Whether the report starts with an unscored (None) entry: from position 0, or -1's last token."""
         return self.logprob_start_len < 1
+
+    def prompt_scores(self, end: int) -> TokenScores | None:
+        """The prompt logprobs reported so far, as scores of fill_ids[:end] for the prefix cache (NaN where
+        none was computed); None when it has none (CachedReq)."""
+        start = self.input_logprob_start
+        known = min(end, start + len(self.input_token_logprobs), self.prompt_len)
+        if not self.return_logprob or known <= start:
+            return None
+        nan = float("nan")
+        k = self.top_logprobs_num
+        out = unknown_scores(end, k)
+        rows = self.input_token_logprobs[:known - start]
+        out.logprobs[start:known] = torch.tensor([nan if v is None else v for v, _ in rows], dtype=torch.float32)
+        if k and out.top_values is not None and out.top_ids is not None:
+            tops = [row or [] for row in self.input_top_logprobs[:known - start]]
+            out.top_values[start:known] = torch.tensor([[float(v) for v, _ in r] + [nan] * (k - len(r)) for r in tops],
+                                                       dtype=torch.float32).view(-1, k)
+            out.top_ids[start:known] = torch.tensor([[int(t) for _, t in r] + [0] * (k - len(r)) for r in tops],
+                                                    dtype=torch.int32).view(-1, k)
+        return out
 
 
 @dataclass(eq=False, kw_only=True)

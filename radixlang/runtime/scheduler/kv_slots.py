@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from radixlang.radix_cache.scores import TokenScores
 from radixlang.runtime.scheduler.batch import Req
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.mem_cache.req_cache import ReqCache
@@ -33,8 +34,9 @@ class KVSlots:
         req.req_pool_idx = slots[0]
         req.swa_freed_len, req.swa_window_released = 0, False
         limit = req.seq_len - 1  # always compute at least one token: its logits are needed
+        scores = None
         if req.return_logprob:
-            limit = min(limit, req.input_logit_start)
+            limit, scores = self._scored_limit(req, limit)
         if req.pooled is not None:  # the cache keeps KV, not hidden states: pooled positions are computed
             limit = min(limit, req.pooled.positions.start)
         prefix, node = self.cache.match(req, limit)
@@ -46,12 +48,35 @@ class KVSlots:
         req.kv_len = n
         if not req.is_retracted:
             req.cached_tokens = n
+        if scores is not None and n > req.input_logit_start:
+            _report_cached_logprobs(req, scores, n)
         return True
+
+    def _scored_limit(self, req: Req, limit: int) -> tuple[int, TokenScores | None]:
+        """How much cached prefix a prompt-logprob request may take, and the stored scores to report.
+
+        Positions before ``input_logit_start`` need no logits; past it, a cached position p < limit can
+        stand in for its logit row only when the tree keeps the score of token p + 1 (and a top-k as wide
+        as asked), so the prefix ends one token after the last position whose next token is scored there
+        and the logit row of its first uncached token is computed."""
+        start = req.input_logit_start
+        if req.input_token_logprobs or limit <= start:  # a retracted request has its report: plain limit
+            return min(limit, start), None
+        scores = self.cache.prefix_scores(req, limit)
+        m = len(scores)
+        known = ~torch.isnan(scores.logprobs[start + 1:m])
+        if req.top_logprobs_num:
+            known &= scores.top_known()[start + 1:m] >= req.top_logprobs_num
+        gaps = torch.nonzero(~known)
+        first_unknown = start + 1 + int(gaps[0]) if gaps.numel() else m
+        return max(min(m, start), min(m - 1, first_unknown - 1)), scores
 
     def undo_admit(self, req: Req) -> None:
         """Take back an admission that reserved nothing (the request stays in the queue)."""
         if req.req_pool_idx is None or req.kv_len != int(req.prefix_indices.numel()):
             return  # not admitted, or it has computed tokens of its own: keep them
+        if req.cached_input_logprobs:  # admission filled them from the cache: the next one does again
+            req.input_token_logprobs, req.input_top_logprobs, req.cached_input_logprobs = [], [], 0
         self.cache.unlock(req)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.kv_len = None, None, 0
@@ -119,3 +144,23 @@ class KVSlots:
             self.cache.cache_unfinished(req)
         self.cache.unlock(req)
         self.cache.release(req)
+
+
+def _report_cached_logprobs(req: Req, scores: TokenScores, prefix_len: int) -> None:
+    """Begin a fresh request's input logprob report with the stored scores of its cached positions
+    (tokens input_logit_start + 1 .. prefix_len: the last one is the first uncached token, scored by
+    the logit row of the last cached position); the extend computes the rest."""
+    first = req.input_logit_start + 1
+    ids = req.origin_input_ids
+    if req.input_logprob_unscored_first:
+        req.input_token_logprobs.append([None, ids[req.input_logprob_start]])
+        if req.top_logprobs_num:
+            req.input_top_logprobs.append(None)
+    vals = scores.logprobs[first:prefix_len + 1].tolist()
+    req.input_token_logprobs.extend([v, t] for v, t in zip(vals, ids[first:prefix_len + 1]))
+    k = req.top_logprobs_num
+    if k and scores.top_values is not None and scores.top_ids is not None:
+        top_vals = scores.top_values[first:prefix_len + 1, :k].tolist()
+        top_ids = scores.top_ids[first:prefix_len + 1, :k].tolist()
+        req.input_top_logprobs.extend([[v, t] for v, t in zip(vs, ts)] for vs, ts in zip(top_vals, top_ids))
+    req.cached_input_logprobs = len(req.input_token_logprobs)
