@@ -19,7 +19,7 @@ with it when it is evicted. They live in the node's namespace, so they are per a
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Hashable, NamedTuple
+from typing import Callable, Hashable, Iterator, NamedTuple
 
 import torch
 
@@ -182,45 +182,38 @@ class RadixCache:
         upper.children[self._child_key(child.key)] = child
         return upper
 
+    def _walk(self, key: list[int], namespace: Hashable | None) -> Iterator[tuple[TreeNode, int, int]]:
+        """(node, key position, tokens it matches) along key's longest cached prefix, token-granular; the last
+        node may match only a head of its key. Read only: no split, no access time."""
+        node, pos = self._root_for(namespace), 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key[pos:]))
+            n = 0 if child is None else _common_len(child.key, key[pos:])
+            if child is None or n == 0:
+                return
+            yield child, pos, n
+            if n < len(child.key):
+                return
+            node, pos = child, pos + n
+
     def store_scores(self, key: list[int], scores: TokenScores, namespace: Hashable | None = None) -> int:
         """Keep ``scores`` (one per token of key) beside the cached tokens of key's longest cached prefix,
         filling what was unknown there; return how many tokens that covered. No split, no access time."""
         if len(scores) != len(key):
             raise ValueError(f"one score per token: {len(key)} tokens, {len(scores)} scores")
-        node, pos = self._root_for(namespace), 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key[pos:]))
-            if child is None:
-                break
-            n = _common_len(child.key, key[pos:])
-            if n == 0:
-                break
+        covered = 0
+        for child, pos, n in self._walk(key, namespace):
             part = scores.slice(pos, pos + n)
             if n < len(child.key):
                 part = concat_scores([part, unknown_scores(len(child.key) - n)])
             child.scores = merge_scores(child.scores, part)
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-        return pos
+            covered = pos + n
+        return covered
 
     def prefix_scores(self, key: list[int], namespace: Hashable | None = None) -> TokenScores:
         """Scores of key's longest cached prefix (NaN where unknown). Read only: no split, no access time."""
-        node, pos, parts = self._root_for(namespace), 0, []
-        while pos < len(key):
-            child = node.children.get(self._child_key(key[pos:]))
-            if child is None:
-                break
-            n = _common_len(child.key, key[pos:])
-            if n == 0:
-                break
-            parts.append(child.scores.slice(0, n) if child.scores is not None else unknown_scores(n))
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-        return concat_scores(parts)
+        return concat_scores([child.scores.slice(0, n) if child.scores is not None else unknown_scores(n)
+                              for child, _, n in self._walk(key, namespace)])
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         delta = 0

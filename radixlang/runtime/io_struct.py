@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
 import orjson
 
@@ -98,6 +98,19 @@ def check_embedding_match(*, embedding: bool, is_embedding: bool, model: str | N
     if is_embedding and not embedding:
         raise RequestError(f"model {model} is an embedding model (--is-embedding): it serves /v1/embeddings "
                            "and /v1/rerank, not generation", "model")
+
+
+def check_lora_name(name: str | None, *, enabled: bool, served: Collection[str]) -> None:
+    """Refuse (RequestError naming ``lora_path``) an adapter name on a server without LoRA, or one not served.
+    The request front checks at submit; the scheduler again, since an unload may come between."""
+    if name is None:
+        return
+    if not enabled:
+        raise RequestError(f"LoRA adapters are not enabled on this server (the request names {name!r}): start "
+                           "it with --enable-lora or --lora-paths", "lora_path")
+    if name not in served:
+        listed = ", ".join(sorted(served)) or "none"
+        raise RequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {listed})", "lora_path")
 
 
 @dataclass(kw_only=True)

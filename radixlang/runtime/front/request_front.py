@@ -40,6 +40,7 @@ from radixlang.runtime.errors import RequestError
 from radixlang.runtime.io_struct import (
     BatchStrOut, CheckMemoryLeakOut, CheckMemoryLeakReq, FlushCacheOut, FlushCacheReq, GetInternalStateOut,
     GetInternalStateReq, LoRAUpdateOut, LoRAUpdateReq, SchedulerReady, TokenizedGenerateReq, check_embedding_match,
+    check_lora_name,
 )
 from radixlang.runtime.generation_config import sampling_defaults
 from radixlang.runtime.front.request_output import Item, RequestOutput, expand_requests, is_batched
@@ -403,12 +404,7 @@ class RequestFront:
             return
         if not isinstance(name, str):
             raise RequestError(f"lora_path must be the name of a loaded LoRA adapter, got {name!r}", "lora_path")
-        if not self.server_args.enable_lora:
-            raise RequestError(f"LoRA adapters are not enabled on this server (the request names {name!r}): start "
-                               "it with --enable-lora or --lora-paths", "lora_path")
-        if name not in self.lora_adapters:
-            served = ", ".join(sorted(self.lora_adapters)) or "none"
-            raise RequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {served})", "lora_path")
+        check_lora_name(name, enabled=self.server_args.enable_lora, served=self.lora_adapters)
 
     # ---- control fan-out -------------------------------------------------------------------------------
     def _messages(self, make: Callable[[str], ControlReq]) -> list[ControlReq]:

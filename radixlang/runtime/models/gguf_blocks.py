@@ -5,7 +5,7 @@ arrays with the row and column slices tensor parallelism takes of them; ``QuantL
 such weight (a GGUF's blocks, or ``--quantization int4``'s codes: models/quant.py)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -170,6 +170,13 @@ class DecodedBlocks(NamedTuple):
     def weight(self) -> qk.QuantWeight:
         return to_quant_weight(self.kind, np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
                                np.ascontiguousarray(self.offset), self.group, layout=self.layout)
+
+
+def stackable(kinds: Iterable[str]) -> bool:
+    """Whether tensors of these native types can be stacked into one weight (``common_layout``): every group
+    size divides the largest."""
+    groups = [LAYOUTS[k][1] for k in kinds]
+    return all(max(groups) % g == 0 for g in groups)
 
 
 def common_layout(pieces: list[DecodedBlocks]) -> list[DecodedBlocks]:

@@ -21,8 +21,8 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, LAYOUTS, NATIVE_TYPES, DecodedBlocks, common_layout,
-                                                  decode_tensor)
+from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, NATIVE_TYPES, DecodedBlocks, common_layout,
+                                                  decode_tensor, stackable)
 from radixlang.runtime.models.layers.moe import Experts, dispatch
 from radixlang.runtime.models.parallel import TPComm
 
@@ -103,7 +103,7 @@ def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int
             kept.append(f"{name}: not the three stacked tensors of a gated Experts layer")
         elif any(k not in NATIVE_TYPES for k in kinds):
             kept.append(f"{name}: a type without a native layout")
-        elif _no_common_group(got["ffn_gate_exps"].tensor_type.name, got["ffn_up_exps"].tensor_type.name):
+        elif not stackable((got["ffn_gate_exps"].tensor_type.name, got["ffn_up_exps"].tensor_type.name)):
             kept.append(f"{name}: gate and up in groups that do not divide each other")
         elif _shapes(got) != (experts.num_experts, experts.inter * size, experts.hidden):
             kept.append(f"{name}: shapes {_shapes(got)} do not fit the model's experts")
@@ -112,12 +112,6 @@ def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int
         else:
             swaps[layer_id] = got
     return swaps, kept
-
-
-def _no_common_group(*kinds: str) -> bool:
-    """Whether gate and up cannot be stacked into one weight (gguf_blocks.common_layout)."""
-    groups = [LAYOUTS[k][1] for k in kinds]
-    return any(max(groups) % g for g in groups)
 
 
 def _shapes(got: dict[str, Any]) -> tuple[int, int, int] | None:

@@ -56,8 +56,8 @@ import torch
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.gguf_blocks import (LAYOUTS, NATIVE_TYPES, DecodedBlocks,
-                                                  QuantLinear, common_layout, decode_tensor)
+from radixlang.runtime.models.gguf_blocks import (NATIVE_TYPES, DecodedBlocks,
+                                                  QuantLinear, common_layout, decode_tensor, stackable)
 from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.gguf_experts import apply_experts_, expert_param_names, plan_experts
 from radixlang.runtime.models.layers.linear import Linear
@@ -278,7 +278,7 @@ def _plan(model: nn.Module, reader: Any) -> _Plan:
         if rows is None or not isinstance(old, Linear) or \
                 tuple(old.weight.shape) != _rank_shape(model, target, rows, cols):
             kept.append(f"blk.{layer_id}.{target} (no fused float linear of that shape in this model)")
-        elif any(max(LAYOUTS[k][1] for k in kinds) % LAYOUTS[k][1] for k in kinds):  # no common group
+        elif not stackable(kinds):
             kept.append(f"blk.{layer_id}.{target} (mixed {'/'.join(sorted(kinds))})")
         elif tp is not None and target in _ROW_PARALLEL and (cols // tp.size) % TP_INPUT_ALIGN:
             why = (f"blk.{layer_id}.{target} ({cols} input features over tp_size {tp.size} is {cols // tp.size} "

@@ -397,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
                 param = params[pname]
                 if pname not in self.deferred_params:
-                    offset, size = self._shard_range(target, shard, param)
+                    offset, size = self._shard_range(target, shard, param.shape[0])
                     param.data[offset:offset + size].copy_(tensor)
                 seen.add(f"{pname}:{shard}")
                 continue
@@ -437,21 +437,14 @@ class LlamaForCausalLM(nn.Module):
         out = getattr(linear, "out_features", None)
         if not isinstance(out, int):
             return None
-        if shard is None:
-            return path, Piece(0, out)
-        if target == "qkv_proj":
-            attn = self.get_submodule(path.rpartition(".")[0])
-            q, kv = attn.q_size, attn.kv_size
-            offset, size = [(0, q), (q, kv), (q + kv, kv)][shard]
-        else:
-            offset, size = shard * (out // 2), out // 2
-        return path, Piece(offset, size)
+        return path, Piece(0, out) if shard is None else Piece(*self._shard_range(target, shard, out))
 
-    def _shard_range(self, target: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
+    def _shard_range(self, target: str, shard: int, rows: int) -> tuple[int, int]:
+        """(first row, rows) of a checkpoint piece in a fused linear of ``rows`` output rows."""
         if target == "qkv_proj":
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = param.shape[0] // 2  # this MLP's (a shared expert's may differ from the layers')
+        inter = rows // 2  # this MLP's (a shared expert's may differ from the layers')
         return (shard * inter, inter)
 
     def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:

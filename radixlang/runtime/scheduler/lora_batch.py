@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from radixlang.runtime.errors import RequestError
-from radixlang.runtime.io_struct import LoRAUpdateOut, LoRAUpdateReq
+from radixlang.runtime.io_struct import LoRAUpdateOut, LoRAUpdateReq, check_lora_name
 from radixlang.runtime.lora.adapter import AdapterError
 from radixlang.runtime.lora.manager import LoRAManager
 from radixlang.runtime.scheduler.batch import Req
@@ -32,13 +31,7 @@ class BatchAdapters:
 
     def check(self, name: str | None) -> None:
         """A RequestError naming ``lora_path`` unless ``name`` is None or a served adapter."""
-        if name is None:
-            return
-        if self.manager is None:
-            raise RequestError(f"{_NOT_ENABLED} (the request names adapter {name!r})", "lora_path")
-        if name not in self.manager.names:
-            served = ", ".join(sorted(self.manager.names)) or "none"
-            raise RequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {served})", "lora_path")
+        check_lora_name(name, enabled=self.manager is not None, served=self.manager.names if self.manager else ())
 
     def id_of(self, name: str | None) -> int | None:
         if name is None or self.manager is None:
