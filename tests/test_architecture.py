@@ -60,6 +60,20 @@ def test_folder_imports(folder):
     assert not bad, bad
 
 
+# the scheduler decides each step's batch and plan; the runner executes it, samples and returns token ids
+# (as vLLM v1 splits them): scheduler.py runs no model code, no sampling math and no torch op of its own
+SCHEDULER_NEVER = ("torch", "radixlang.kernels.bitmask", "radixlang.runtime.models",
+                   "radixlang.runtime.model_executor.model_runner", "radixlang.runtime.sampling.sampler",
+                   "radixlang.runtime.sampling.step_sampler")
+
+
+def test_the_scheduler_imports_no_model_code():
+    path = PKG / "runtime" / "scheduler" / "scheduler.py"
+    bad = [mod for mod in _imports(path, top_level_only=False)
+           if any(mod == b or mod.startswith(b + ".") for b in SCHEDULER_NEVER)]
+    assert not bad, f"scheduler.py imports {bad}"
+
+
 def test_every_runtime_room_has_a_rule_and_a_docstring():
     rooms = sorted(p.name for p in (PKG / "runtime").iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert rooms, "runtime has no subpackages"

@@ -46,8 +46,8 @@ class ServerArgs:
                                         "checkpoint (lossy; int4 in groups of 32 with a scale and minimum each); "
                                         "gguf: serve a GGUF file's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, "
                                         "Q8_0, Q4_K, Q5_K, Q6_K). Absent with --dtype auto on the CPU: gguf for a "
-                                        "quantized GGUF file (the embedded model is Q4_1); --dtype float32 dequantizes "
-                                        "it",
+                                        "GGUF file (the embedded model is Q4_1; tensors of other types load as "
+                                        "float32); --dtype float32 dequantizes it all",
                                   (None, "int8", "int4", "gguf"))
     random_seed: int = _f(0, "seed for random weights and default sampling")
     num_threads: int | None = _f(None, "torch CPU threads per process; defaults to the cores available, "
@@ -258,7 +258,7 @@ class ServerArgs:
         if self.dtype == "auto":
             changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
             if (device == "cpu" and self.quantization is None
-                    and self.load_format in ("auto", "gguf") and _quantized_gguf(self.model_path, self.load_format)):
+                    and self.load_format in ("auto", "gguf") and _is_gguf_model(self.model_path, self.load_format)):
                 changes["quantization"] = "gguf"
         dtype = changes.get("dtype", self.dtype)
         if self.attention_backend == "auto":
@@ -358,15 +358,16 @@ def _own_model_name(model_path: str | None) -> str:
     return name[:-len(".gguf")] if name.endswith(".gguf") else name
 
 
-def _quantized_gguf(model_path: str | None, load_format: str) -> bool:
-    """Whether the model is a GGUF file holding quantized blocks served natively (--quantization gguf)."""
-    from radixlang.runtime.models.gguf_quant import is_quantized_gguf
+def _is_gguf_model(model_path: str | None, load_format: str) -> bool:
+    """Whether the model is a GGUF file, whose tensors stored in native block types are then served from
+    their blocks (--quantization gguf). Decided from the path alone: the file is opened once per start, by
+    the loader, whose header read picks each linear's method (a file of float tensors only serves them as
+    floats)."""
     from radixlang.runtime.models.loader.model_loader import gguf_source
 
     try:
-        path = gguf_source(model_path, load_format)
-        return path is not None and is_quantized_gguf(path)
-    except (OSError, ValueError):  # a missing or unreadable file: the loader reports it with its own message
+        return gguf_source(model_path, load_format) is not None
+    except (OSError, ValueError):  # a missing model: the loader reports it with its own message
         return False
 
 

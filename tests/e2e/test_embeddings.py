@@ -17,6 +17,7 @@ from radixlang.runtime.entrypoints.engine_front import EngineFront
 from radixlang.runtime.entrypoints.http_server import create_app
 from radixlang.runtime.io_struct import TokenizedGenerateReq
 from radixlang.runtime.sampling.sampling_params import SamplingParams
+from radixlang.runtime.scheduler.build import build_scheduler
 from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.server_args import ServerArgs
 from tests.live_server import live_server
@@ -255,12 +256,13 @@ def test_one_batch_and_chunked_prefills_pool_as_the_reference(st_dirs, reference
     texts = TEXTS + [PREFIX + " again and again"]
     ids = references[mode].tokenizer(texts)["input_ids"]
     want = reference(references, mode, texts)
-    whole = Scheduler(ServerArgs(model_path=st_dirs[mode], is_embedding=True, max_total_tokens=1024, dtype="float32"))
+    whole = build_scheduler(ServerArgs(model_path=st_dirs[mode], is_embedding=True, max_total_tokens=1024,
+                                       dtype="float32"))
     got, steps = _embed_all(whole, ids)
     assert steps == 1
     assert min(cosines([got[str(i)] for i in range(len(texts))], want)) >= COSINE
-    chunked = Scheduler(ServerArgs(model_path=st_dirs[mode], is_embedding=True, max_total_tokens=1024,
-                                   chunked_prefill_size=4, dtype="float32"))
+    chunked = build_scheduler(ServerArgs(model_path=st_dirs[mode], is_embedding=True, max_total_tokens=1024,
+                                         chunked_prefill_size=4, dtype="float32"))
     got, steps = _embed_all(chunked, ids)
     assert steps >= max(len(x) for x in ids) // 4
     assert min(cosines([got[str(i)] for i in range(len(texts))], want)) >= COSINE

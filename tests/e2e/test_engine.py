@@ -151,7 +151,7 @@ def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
     # queue) and finish once A's KV frees up, with the same tokens as on a big pool.
     from radixlang.runtime.server_args import ServerArgs
     from radixlang.runtime.io_struct import TokenizedGenerateReq
-    from radixlang.runtime.scheduler.scheduler import Scheduler
+    from radixlang.runtime.scheduler.build import build_scheduler
 
     prompt_a, prompt_b = list(range(10, 70)), list(range(100, 350))
     params_a = {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True}
@@ -160,7 +160,7 @@ def test_chunked_prefill_under_kv_pressure_keeps_its_place(tiny_model_dir):
     with Engine(**kw, max_total_tokens=8192) as big:
         ref_a = big.generate(input_ids=prompt_a, sampling_params=params_a)["output_ids"]
         ref_b = big.generate(input_ids=prompt_b, sampling_params=params_b)["output_ids"]
-    s = Scheduler(ServerArgs(**kw, max_total_tokens=400, chunked_prefill_size=32))
+    s = build_scheduler(ServerArgs(**kw, max_total_tokens=400, chunked_prefill_size=32))
     s.add_request(TokenizedGenerateReq(rid="a", input_ids=prompt_a, sampling_params=SamplingParams.from_dict(params_a)))
     while not s.running or len(s.running[0].output_ids) < 100:
         s.step()

@@ -13,6 +13,7 @@ from radixlang.runtime.sampling.sampling_params import SamplingParams
 from radixlang import Engine
 from radixlang.radix_cache import SWARadixCache
 from radixlang.runtime.io_struct import TokenizedGenerateReq
+from radixlang.runtime.scheduler.build import build_scheduler
 from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.mem_cache.memory_pool import TokenToKVPool
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
@@ -118,8 +119,8 @@ def _run_one(sched: Scheduler, prompt: list[int],
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
 def test_window_kv_held_is_bounded_by_the_window_and_every_slot_comes_back(family, radix):
     name, folder, hf = family
-    sched = Scheduler(ServerArgs(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16,
-                                 disable_radix_cache=not radix))
+    sched = build_scheduler(ServerArgs(model_path=folder, max_total_tokens=1024, chunked_prefill_size=16,
+                                       disable_radix_cache=not radix))
     pool = sched.kv_pool
     assert isinstance(pool, SWATokenToKVPool)
     full0, swa0 = pool.available_size(), pool.swa_available_size()
@@ -170,6 +171,6 @@ def test_models_without_a_window_shorter_than_the_context_keep_one_slot_space(tm
     plain = save_tiny_hf_model(str(tmp_path / "l"), "LlamaForCausalLM")
     for kw in ({"model_path": folder, "context_length": W}, {"model_path": folder, "disable_hybrid_swa_memory": True},
                {"model_path": plain}):
-        pool = Scheduler(ServerArgs(max_total_tokens=64, **kw)).kv_pool
+        pool = build_scheduler(ServerArgs(max_total_tokens=64, **kw)).kv_pool
         assert type(pool) is TokenToKVPool, kw
-    assert isinstance(Scheduler(ServerArgs(model_path=folder, max_total_tokens=64)).kv_pool, SWATokenToKVPool)
+    assert isinstance(build_scheduler(ServerArgs(model_path=folder, max_total_tokens=64)).kv_pool, SWATokenToKVPool)

@@ -20,6 +20,7 @@ from radixlang.runtime.io_struct import BatchStrOut, TokenizedGenerateReq
 from radixlang.runtime.front.request_front import (
     ControlOut, ControlReq, RequestFront, RequestStream, SyncStream,
 )
+from radixlang.runtime.scheduler.build import build_scheduler
 from radixlang.runtime.scheduler.scheduler import Scheduler
 from radixlang.runtime.entrypoints.engine_thread import SchedulerThread
 from radixlang.runtime.server_args import ServerArgs
@@ -83,10 +84,7 @@ class Engine:
 
     @staticmethod
     def _make_scheduler(args: ServerArgs, index: int) -> Scheduler:
-        sched = Scheduler(args.for_replica(index))  # same random_seed: same weights on every replica
-        if index:
-            sched.generator.manual_seed(sched.args.random_seed + index)  # but not the same unseeded samples
-        return sched
+        return build_scheduler(args.for_replica(index), replica=index)
 
     @property
     def router(self) -> Router:

@@ -24,20 +24,22 @@ from radixlang.runtime.model_executor.forward_batch import ForwardBatch, StepInp
 from radixlang.runtime.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.models.layers.attention_config import check_backend_features, layer_sliding_window
-from radixlang.runtime.models.layers.rotary import rope_context_length
+from radixlang.runtime.models.layers.rotary import rope_context_length, rope_length_key
 from radixlang.runtime.models.llama import check_tensor_parallel
 from radixlang.runtime.models.loader.model_loader import Checkpoint, load_checkpoint, open_checkpoint, read_config
-from radixlang.runtime.models.gguf_quant import gguf_replaced_params, serve_gguf_blocks_, serves_tied_logits
+from radixlang.runtime.models.gguf_quant import serves_tied_logits
 from radixlang.runtime.models.layers.linear import process_weights_after_loading
 from radixlang.runtime.models.layers.weight_methods import WeightMethods
 from radixlang.runtime.model_executor.kv_sizing import (CPU_MAX_TOKENS, CUDA_MEM_FRACTION, KVPoolSize,
                                                          cpu_default_fraction, host_memory, size_kv_pool)
 from radixlang.runtime.model_executor.tp_leader import TPLeader, cuda_device_index, exit_with_parent, ranks_per_node
+from radixlang.runtime.sampling.step_io import StepOutput, StepPlan
+from radixlang.runtime.sampling.step_sampler import run_plan
 
 logger = logging.getLogger(__name__)
 
-# a quantized GGUF's float32 prefill copies (gguf_quant.add_prefill_copies_) may take at most this share of
-# the host memory available once the model is loaded; the rest is left to the KV pool and the process
+# a quantized GGUF's float32 prefill copies (gguf_quant.GGUFBlocksMethod.finish_model) may take at most this
+# share of the host memory available once the model is loaded; the rest is left to the KV pool and the process
 PREFILL_COPY_SHARE = 0.4
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,6 +80,7 @@ class ModelRunner:
         self.tp = tp if self.tp_leader is None else self.tp_leader.comm
         self._tp_lock = threading.Lock()  # one broadcast at a time: a step, or the stop at shutdown
         self.graph_runner: CudaGraphRunner | None = None
+        self.generator = torch.Generator().manual_seed(args.random_seed)  # unseeded requests' draws (execute)
         try:
             self._build(args, checkpoint)
             self.graph_runner = self._init_cuda_graphs(args)
@@ -88,22 +91,24 @@ class ModelRunner:
 
     def _build(self, args: ServerArgs, checkpoint: Checkpoint) -> None:
         gguf = checkpoint.gguf
-        serve_blocks = args.quantization == "gguf" and gguf is not None
-        # every linear's weight method, chosen before any tensor is read (models/layers/weight_methods.py)
+        if args.quantization == "gguf" and gguf is None:
+            raise ValueError("quantization 'gguf' needs a .gguf model file, got a checkpoint of another format")
+
+        def prefill_budget() -> int:  # asked once the model is loaded
+            return int(PREFILL_COPY_SHARE * host_memory()[1])
+
+        # every linear's weight method, chosen before any tensor is read (models/layers/weight_methods.py;
+        # a quantized GGUF's block linears from its header: models/gguf_quant.py)
         methods = WeightMethods.choose(
             quantization=args.quantization, device=self.device, dtype=self.dtype,
             weight_packing=not args.disable_weight_packing, cpu_kernels=not args.disable_cpu_kernels,
-            native_logits=serve_blocks and gguf is not None and serves_tied_logits(gguf))
-        # a quantized GGUF's linears are replaced by its own blocks: their float32 weights are never loaded
-        deferred = (lambda model: gguf_replaced_params(model, gguf)) if serve_blocks and gguf is not None else None
+            native_logits=gguf is not None and args.quantization == "gguf" and serves_tied_logits(gguf),
+            prefill_budget=None if args.disable_weight_packing else prefill_budget)
         loaded = load_checkpoint(checkpoint, model_path=args.model_path, load_format=args.load_format,
                                  dtype=self.dtype, device=self.device, seed=args.random_seed,
-                                 tokenizer_path=args.tokenizer_path, tp=self.tp, methods=methods, deferred=deferred,
+                                 tokenizer_path=args.tokenizer_path, tp=self.tp, methods=methods,
                                  embedding=args.is_embedding)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
-        if args.quantization == "gguf":
-            serve_gguf_blocks_(self.model, gguf, prefill_copies=not args.disable_weight_packing,
-                               prefill_copy_bytes=int(PREFILL_COPY_SHARE * host_memory()[1]))
         processed = process_weights_after_loading(self.model)
         logger.info("linear weight methods: %s", ", ".join(f"{n} {name}" for name, n in sorted(processed.items())))
         # the fused CPU decode step: every step is offered to it first (run_step), where the model's layers
@@ -280,9 +285,22 @@ class ModelRunner:
             token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
 
     # ---- steps ----
+    def execute(self, inputs: StepInputs, plan: StepPlan) -> StepOutput:
+        """Run one step and choose its tokens as ``plan`` says (sampling/step_sampler.py): the token ids and
+        logprobs come back as host lists. Under tensor parallelism every rank runs the forward; rank 0 (this
+        runner) alone samples. With --is-embedding: the asked rows' final hidden states, nothing chosen."""
+        out = self.forward(inputs)
+        if self.args.is_embedding:
+            return StepOutput(hidden=out)
+        return run_plan(out, plan, self.generator)
+
+    def rope_length_key(self, prompt_len: int) -> tuple | None:
+        """The rotary rows a prompt of this length takes (models/layers/rotary.py), as the cache's namespace."""
+        return rope_length_key(self.hf_config, prompt_len)
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one forward pass; return logits [len(inputs.logit_rows), vocab] float32 on the runner's device
-        (sampling runs there; only the sampled ids come back to the host)."""
+        (``execute`` samples there; only the chosen ids come back to the host)."""
         if self.tp_leader is None:
             return self.run_step(inputs)
         with self._tp_lock:

@@ -24,7 +24,7 @@ from radixlang.runtime.models.layers.moe import Experts, MoEBlock, route_softmax
 from radixlang.runtime.models.layers.rotary import rope_tables
 from radixlang.runtime.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
-from radixlang.runtime.models.parallel import TPComm, shard_tensor
+from radixlang.runtime.models.parallel import TPComm
 
 _LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
 
@@ -136,13 +136,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             block = c.kv_lora_rank + c.qk_rope_head_dim
             return deinterleave_rope_rows(tensor, block=block, offset=c.kv_lora_rank, rope=c.qk_rope_head_dim)
         return tensor
-
-    def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """MLA's per-head projections give this rank its heads' rows (layers/mla.py); q_a / kv_a and their
-        norms stay whole; o_proj, the experts and the dense MLPs split as Llama's do."""
-        if kind in ("q_b_proj", "kv_b_proj") and self.tp is not None:
-            return shard_tensor(tensor, self.tp.rank, self.tp.size, dim=0)
-        return super()._rank_slice(kind, tensor)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As Llama's, without the layers past num_hidden_layers (V3 checkpoints carry their multi-token

@@ -2,7 +2,8 @@
 (kernels/cpu/quant.py; the table of types is in models/gguf_quant.py): integer codes [rows, cols] and
 float32 scales and offsets per group [rows, cols / group], and ``DecodedBlocks``, one tensor's decoded
 arrays with the row and column slices tensor parallelism takes of them; ``QuantLinear``, a linear over one
-such weight (a GGUF's blocks, or ``--quantization int4``'s codes: models/quant.py)."""
+such weight (a GGUF's blocks, or ``--quantization int4``'s codes: models/quant.py), the ``kernel`` their
+weight methods give a ``Linear`` (whose ``lora`` slot adds any adapter's delta)."""
 from __future__ import annotations
 
 from typing import Iterable, NamedTuple
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlang.kernels.cpu import quant as qk
-from radixlang.runtime.models.layers.linear import KernelWeight, OutputDelta
+from radixlang.runtime.models.layers.linear import KernelWeight
 
 LAYOUTS = {"Q4_0": ("q4", 32), "Q4_1": ("q4", 32), "Q4_K": ("q4", 32), "Q8_0": ("q8", 32), "Q5_0": ("q8", 32),
            "Q5_1": ("q8", 32), "Q5_K": ("q8", 32),
@@ -198,8 +199,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.source_type = source_type
-        self.dense: nn.Module | None = None  # see add_prefill_copies_
-        self.lora: OutputDelta | None = None  # LoRA adapters' deltas on this linear (runtime/lora/layer.py)
+        self.dense: nn.Module | None = None  # the float32 prefill copy: gguf_quant.add_prefill_copies_
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.source_type} as {self.weight_q.layout}"
@@ -226,5 +226,4 @@ class QuantLinear(nn.Module):
             y = self.dense(x2)
         else:
             y = F.linear(x2, qk.dequantize(self.weight_q), self.bias)
-        y = y.to(x.dtype).view(*lead, self.out_features)
-        return y if self.lora is None else self.lora.add(x, y)
+        return y.to(x.dtype).view(*lead, self.out_features)

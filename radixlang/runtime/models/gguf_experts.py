@@ -3,9 +3,11 @@
 llama.cpp stores a MoE layer's routed experts as three stacked tensors per layer, ``ffn_gate_exps``,
 ``ffn_up_exps`` [experts, inter, hidden] and ``ffn_down_exps`` [experts, hidden, inter] (numpy order), each
 expert's rows quantized along the input features like any linear. Dequantized, a Qwen3-30B-A3B's experts
-alone take ~120 GB in float32; kept as their blocks they are the file's ~17 GB. ``QuantExperts`` replaces
-the model's float ``Experts`` (layers/moe.py) with one ``QuantWeight`` per expert and projection (gate and
-up stacked into one, as the float path's w13) and runs the same expert-sorted dispatch, each expert's
+alone take ~120 GB in float32; kept as their blocks they are the file's ~17 GB. ``GGUFExpertsMethod`` is
+the experts method (layers/moe.py: ``ExpertsMethod``) bound to such a layer's ``Experts`` before any tensor
+is read (models/gguf_quant.bind_gguf_blocks_): the loader streams the three tensors' raw blocks into its
+``weight_loader``, which keeps one ``QuantWeight`` per expert and projection (gate and up stacked into
+one, as the float path's w13), and it runs the same expert-sorted dispatch, each expert's
 rows through the quantized kernels (kernels/cpu/quant.py), or, past ``KERNEL_MAX_ROWS`` rows (a prefill),
 through a float32 matmul on the expert's weights dequantized for that call. On a VNNI CPU a step whose
 experts each hold at most the int8 kernels' rows (a decode step) runs the whole layer in one compiled call
@@ -13,7 +15,8 @@ instead (``quant.QuantMoE``: the sort, SiLU and weighted sum in C, the same kern
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,56 +26,78 @@ from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels.cpu import quant as qk
 from radixlang.runtime.models.gguf_blocks import (KERNEL_MAX_ROWS, NATIVE_TYPES, DecodedBlocks, common_layout,
                                                   decode_tensor, stackable)
-from radixlang.runtime.models.layers.moe import Experts, dispatch
+from radixlang.runtime.models.layers.moe import Experts, ExpertsMethod, dispatch
+from radixlang.runtime.models.loader.gguf_file import TensorInfo
 from radixlang.runtime.models.parallel import TPComm
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate and up stack into w13, down is w2
 
 
-class QuantExperts(nn.Module):
-    """``Experts`` over quantized weights: w13[e] [2 * inter, hidden] (gate rows, then up rows), w2[e]
-    [hidden, inter], each a QuantWeight."""
+class GGUFExpertsMethod(ExpertsMethod):
+    """A MoE layer's experts from a GGUF file's stacked blocks: ``tensors`` {ffn_gate_exps / ffn_up_exps /
+    ffn_down_exps: the file's tensor}; once all three are streamed in, w13[e] [2 * inter, hidden] (gate
+    rows, then up rows) and w2[e] [hidden, inter] per expert, each a QuantWeight (this rank's slice of the
+    intermediate features under ``tp``)."""
 
-    def __init__(self, w13: list[qk.QuantWeight], w2: list[qk.QuantWeight], act: Callable[[torch.Tensor], torch.Tensor],
-                 *, act_is_silu: bool, source_type: str, tp: TPComm | None = None) -> None:
-        super().__init__()
-        if len(w13) != len(w2) or not w13:
-            raise ValueError(f"one gate/up and one down weight per expert, got {len(w13)} and {len(w2)}")
-        inter, hidden = w2[0].in_features, w2[0].out_features
-        for e, (a, b) in enumerate(zip(w13, w2)):
-            if (a.out_features, a.in_features) != (2 * inter, hidden) or (b.out_features, b.in_features) != (
-                    hidden, inter):
-                raise ValueError(f"expert {e}: gate/up {a.out_features}x{a.in_features} and down "
-                                 f"{b.out_features}x{b.in_features} do not fit hidden {hidden}, inter {inter}")
-        self.w13 = [w.interleave() for w in w13]
-        self.w2 = [w.interleave() for w in w2]
-        self.num_experts, self.inter, self.hidden = len(w13), inter, hidden
-        self.act, self.act_is_silu, self.tp = act, act_is_silu, tp
-        self.source_type = source_type
-        # decode steps: the whole layer in one compiled call (SwiGLU experts on a VNNI CPU)
-        self.kernel = qk.QuantMoE.build(self.w13, self.w2) if act_is_silu and qk.available() else None
+    name = "gguf"
 
-    def extra_repr(self) -> str:
-        return f"{self.num_experts} experts, {self.hidden} -> {self.inter}, {self.source_type}"
+    def __init__(self, tensors: dict[str, TensorInfo], *, act_is_silu: bool, tp: TPComm | None) -> None:
+        self.source_type = "/".join(sorted({t.tensor_type.name for t in tensors.values()}))
+        self.act_is_silu, self.tp = act_is_silu, tp
+        self._raw: dict[str, TensorInfo] = {}
+        self.w13: list[qk.QuantWeight] = []
+        self.w2: list[qk.QuantWeight] = []
+        self.kernel: Any = None  # decode steps: the whole layer in one compiled call (SwiGLU on a VNNI CPU)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
-                reduce: bool = True) -> torch.Tensor:
-        """x [n, hidden]; weights, ids [n, k] -> [n, hidden] in x's dtype (summed over the tp ranks;
-        ``reduce=False``: this rank's term, the caller sums)."""
+    def create_weights(self, experts: Experts) -> None:
+        """No float w13 / w2: the blocks come through ``weight_loader``."""
+        experts.register_parameter("w13", None)
+        experts.register_parameter("w2", None)
+        self._shape = (experts.num_experts, experts.inter, experts.hidden)
+
+    def weight_loader(self, kind: str, tensor: TensorInfo) -> None:
+        """One of the three stacked tensors' raw blocks (a view of the file, decoded once all three are in)."""
+        if kind not in EXPERT_TENSORS or kind in self._raw or self.w13:
+            raise RuntimeError(f"GGUF expert tensor {tensor.name} streamed in twice or unexpected")
+        self._raw[kind] = tensor
+        if len(self._raw) == len(EXPERT_TENSORS):
+            self._assemble(self._raw)
+            self._raw = {}
+
+    def _assemble(self, got: dict[str, TensorInfo]) -> None:
+        num_experts, per, hidden = self._shape
+        slices = {k: expert_slices(got[k]) for k in EXPERT_TENSORS}
+        if int(got["ffn_gate_exps"].shape[2]) != num_experts:
+            raise ValueError(f"the GGUF holds {int(got['ffn_gate_exps'].shape[2])} experts, the model {num_experts}")
+        first = 0 if self.tp is None else self.tp.rank * per
+        for e in range(num_experts):
+            gate, up, down = (_blocks(got[k], slices[k][e]) for k in EXPERT_TENSORS)
+            mine = common_layout([gate.rows(first, first + per), up.rows(first, first + per)])  # Q4_K/Q6_K: q8
+            self.w13.append(qk.QuantWeight.concat([m.weight() for m in mine]).interleave())
+            self.w2.append(down.cols(first, first + per).weight().interleave())
+        w13, w2 = self.w13[0], self.w2[0]
+        if (w13.out_features, w13.in_features, w2.out_features, w2.in_features) != (2 * per, hidden, hidden, per):
+            raise ValueError(f"GGUF experts of gate/up {w13.out_features}x{w13.in_features} and down "
+                             f"{w2.out_features}x{w2.in_features} do not fit hidden {hidden}, inter {per}")
+        self.kernel = qk.QuantMoE.build(self.w13, self.w2) if self.act_is_silu and qk.available() else None
+
+    def apply(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden]; weights, ids [n, k] -> this rank's term, [n, hidden] in x's dtype."""
+        if not self.w13:
+            raise RuntimeError(f"GGUF experts ({self.source_type}) ran before their blocks were streamed in")
         xf = x.float()
         out = self.kernel(xf, weights, ids) if self.kernel is not None else None
         if out is None:  # an expert of more rows than the int8 kernels take (a prefill), or no such kernel
-            out = dispatch(xf, weights, ids, self.num_experts, self._expert)
-        out = out.to(x.dtype)
-        return out if self.tp is None or not reduce else self.tp.all_reduce(out)
+            out = dispatch(xf, weights, ids, len(self.w13), partial(self._expert, experts))
+        return out.to(x.dtype)
 
-    def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+    def _expert(self, experts: Experts, e: int, xs: torch.Tensor) -> torch.Tensor:
         h = _linear(xs, self.w13[e])  # [count, 2 * inter]
         if self.act_is_silu and cpu_ops.available():
             h = cpu_ops.silu_mul(h.contiguous(), check=False)
         else:
-            gate, up = h.split(self.inter, dim=-1)
-            h = self.act(gate) * up
+            gate, up = h.split(experts.inter, dim=-1)
+            h = experts.act(gate) * up
         return _linear(h, self.w2[e])
 
 
@@ -83,9 +108,10 @@ def _linear(x: torch.Tensor, w: qk.QuantWeight) -> torch.Tensor:
 
 
 def plan_experts(model: nn.Module, reader: Any, *, align: int) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """The layers whose float ``Experts`` a GGUF file's stacked expert blocks replace, {layer: {tensor kind:
-    reader tensor}}, and the ones kept float32, with why. ``align``: under tensor parallelism a rank's slice of
-    the down projection's input features must start on a multiple of it (gguf_quant.TP_INPUT_ALIGN)."""
+    """The layers whose ``Experts`` a GGUF file's stacked expert blocks serve (``GGUFExpertsMethod``), {layer:
+    {tensor kind: reader tensor}}, and the ones kept float32, with why. ``align``: under tensor parallelism a
+    rank's slice of the down projection's input features must start on a multiple of it
+    (gguf_quant.TP_INPUT_ALIGN)."""
     found: dict[int, dict[str, Any]] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -122,33 +148,6 @@ def _shapes(got: dict[str, Any]) -> tuple[int, int, int] | None:
     return gate[2], gate[1], gate[0]
 
 
-def expert_param_names(swaps: dict[int, dict[str, Any]]) -> set[str]:
-    return {f"layers.{layer_id}.mlp.experts.{leaf}" for layer_id in swaps for leaf in ("w13", "w2")}
-
-
-def apply_experts_(model: nn.Module, swaps: dict[int, dict[str, Any]]) -> dict[str, int]:
-    """Replace each planned layer's float Experts with QuantExperts over the file's blocks (this rank's
-    slice of each expert's intermediate features under tensor parallelism); returns type -> tensors used."""
-    tp: TPComm | None = getattr(model, "tp", None)
-    used: dict[str, int] = {}
-    for layer_id, got in swaps.items():
-        slices = {k: expert_slices(got[k]) for k in EXPERT_TENSORS}
-        inter = int(got["ffn_gate_exps"].shape[1])
-        per = inter if tp is None else inter // tp.size
-        first = 0 if tp is None else tp.rank * per
-        w13, w2 = [], []
-        for e in range(int(got["ffn_gate_exps"].shape[2])):
-            gate, up, down = (_blocks(got[k], slices[k][e]) for k in EXPERT_TENSORS)
-            mine = common_layout([gate.rows(first, first + per), up.rows(first, first + per)])  # Q4_K/Q6_K: q8
-            w13.append(qk.QuantWeight.concat([m.weight() for m in mine]))
-            w2.append(down.cols(first, first + per).weight())
-        kinds = "/".join(sorted({t.tensor_type.name for t in got.values()}))
-        swap_experts_(model.layers[layer_id].mlp, w13, w2, kinds)
-        for t in got.values():
-            used[t.tensor_type.name] = used.get(t.tensor_type.name, 0) + 1
-    return used
-
-
 def _blocks(t: Any, data: Any) -> DecodedBlocks:
     kind = t.tensor_type.name
     return DecodedBlocks(kind, *decode_tensor(kind, data, int(t.shape[1]), int(t.shape[0])))
@@ -159,14 +158,3 @@ def expert_slices(t: Any) -> list[Any]:
     experts = int(t.shape[2])
     data = t.data.reshape(experts, -1)
     return [data[e] for e in range(experts)]
-
-
-def swap_experts_(owner: nn.Module, w13: list[qk.QuantWeight], w2: list[qk.QuantWeight], source_type: str) -> None:
-    """Replace ``owner.experts`` (a float ``Experts``) by QuantExperts over these weights."""
-    old = owner.experts
-    if not isinstance(old, Experts):
-        raise TypeError(f"expected float Experts to replace, got {type(old).__name__}")
-    if len(w13) != old.num_experts or w2[0].in_features != old.inter:
-        raise ValueError(f"the GGUF holds {len(w13)} experts of {w2[0].in_features} features, the model "
-                         f"{old.num_experts} of {old.inter}")
-    owner.experts = QuantExperts(w13, w2, old.act, act_is_silu=old.act_is_silu, source_type=source_type, tp=old.tp)

@@ -8,8 +8,8 @@ on the layers ``layer_types`` marks ``sliding_attention`` (or on every layer whe
 q/k/v and gate/up are fused into one matmul each: on a CPU at batch 1 the
 number of ops per layer matters as much as their size. With a tensor-parallel
 group (``tp``), each rank holds its heads and its slice of the MLP and vocabulary
-(models/parallel.py) and ``load_weights`` takes the rank's slice of each tensor;
-without one the layers are whole. Every projection is a ``Linear`` built with the weight method
+(models/parallel.py), and each parameter's ``weight_loader`` takes the rank's slice of its checkpoint
+tensors; without one the layers are whole. Every projection is a ``Linear`` built with the weight method
 ``methods`` gives it (layers/linear.py, layers/weight_methods.py), chosen before loading.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
-from radixlang.runtime.models.layers.linear import Linear, Piece
+from radixlang.runtime.models.layers.linear import Linear, Piece, set_weight_loader, weight_loader_of
 from radixlang.runtime.models.layers.moe import Experts, MoEBlock, load_expert_weight
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
@@ -31,8 +31,7 @@ from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_
                                                     length_rows, rope_context_length, rope_switch_point,
                                                     rope_tables)
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, TPComm, VocabParallelEmbedding,
-                                               kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab,
-                                               split_evenly)
+                                               column_linear, kv_heads_per_rank, split_evenly)
 
 
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
@@ -75,8 +74,10 @@ class Attention(nn.Module):
         # Qwen2 (qkv_bias in Qwen2-MoE's config) biases q/k/v only; attention_bias also biases o_proj
         o_bias = bool(getattr(config, "attention_bias", False))
         bias = o_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias,
-                               method=methods.linear(config.hidden_size))
+        # this rank's q heads and kv heads of the full q/k/v tensors, side by side (models/parallel.py)
+        qkv_parts = [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)]
+        self.qkv_proj = column_linear(config.hidden_size, qkv_parts, tp, methods.linear(config.hidden_size),
+                                      bias=bias, num_kv_heads=total_kv_heads)
         self.o_proj = row_linear(total_heads * self.head_dim, config.hidden_size, tp, methods, bias=o_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -121,10 +122,11 @@ class MLP(nn.Module):
         super().__init__()
         full = intermediate_size or config.intermediate_size
         self.inter = full if tp is None else split_evenly(full, tp.size, "intermediate (MLP) features")
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, method=methods.linear(config.hidden_size))
+        self.gate_up_proj = column_linear(config.hidden_size, [("gate", self.inter), ("up", self.inter)], tp,
+                                          methods.linear(config.hidden_size))
         self.down_proj = row_linear(full, config.hidden_size, tp, methods)
-        # under tensor parallelism down_proj is row-parallel (float, or a GGUF's blocks: gguf_quant) and
-        # gives this rank's term of its sum
+        # under tensor parallelism down_proj is row-parallel (whatever its weight method: float, or a GGUF's
+        # blocks) and gives this rank's term of its sum
         self.row_parallel = tp is not None
         self.fused = False  # the compiled CPU kernel for silu(gate) * up
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
@@ -206,9 +208,6 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
     embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
-    # parameters load_weights leaves unfilled (moved to the meta device, no storage) because the caller
-    # replaces their modules next: a quantized GGUF's linears (gguf_quant.gguf_replaced_params)
-    deferred_params: frozenset[str] = frozenset()
     headless = False  # drop_lm_head: an untied base model saved without its head serves hidden states only
 
     def __init__(self, config: Any, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -373,10 +372,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing q/k/v and gate/up.
 
-        Under tensor parallelism each tensor is first cut to this rank's slice.
+        Each tensor goes whole to its parameter's ``weight_loader`` (with its piece of a fused parameter),
+        which keeps this rank's slice under tensor parallelism (models/parallel.py).
         """
         params = dict(self.named_parameters())
-        fused = _FUSED
         seen: set[str] = set()
         for name, tensor in weights:
             name = self.checkpoint_name(name.removeprefix("model."))
@@ -387,25 +386,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            if self.tp is not None and len(parts) >= 2:
-                tensor = self._rank_slice(parts[-2], tensor)
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, shard = fused[parts[-2]]
-                pname = ".".join(parts[:-2] + [target, parts[-1]])
-                if pname not in params:
-                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-                param = params[pname]
-                if pname not in self.deferred_params:
-                    offset, size = self._shard_range(target, shard, param.shape[0])
-                    param.data[offset:offset + size].copy_(tensor)
-                seen.add(f"{pname}:{shard}")
-                continue
-            if name not in params:
+            pname, shard = _checkpoint_param(name)
+            if pname not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            if name not in self.deferred_params:
-                params[name].data.copy_(tensor)
-            seen.add(name)
+            param = params[pname]
+            weight_loader_of(param)(param, tensor, shard)
+            seen.add(pname if shard is None else f"{pname}:{shard}")
         loaded_parts: dict[str, int] = {}
         for key in seen:
             if ":" in key:
@@ -414,11 +400,6 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in seen and loaded_parts.get(n, 0) < _parts_expected(n, params[n])]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        for name in self.deferred_params:  # drop the storage those parameters were given
-            owner, _, leaf = name.rpartition(".")
-            module = self.get_submodule(owner)
-            module._parameters[leaf] = nn.Parameter(torch.empty(params[name].shape, device="meta"),
-                                                    requires_grad=False)
 
     def lora_target(self, module: str) -> tuple[str, Piece] | None:
         """Where a checkpoint's linear (``model.layers.0.self_attn.q_proj``, as a PEFT adapter names it) lives
@@ -437,35 +418,25 @@ class LlamaForCausalLM(nn.Module):
         out = getattr(linear, "out_features", None)
         if not isinstance(out, int):
             return None
-        return path, Piece(0, out) if shard is None else Piece(*self._shard_range(target, shard, out))
-
-    def _shard_range(self, target: str, shard: int, rows: int) -> tuple[int, int]:
-        """(first row, rows) of a checkpoint piece in a fused linear of ``rows`` output rows."""
-        if target == "qkv_proj":
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = rows // 2  # this MLP's (a shared expert's may differ from the layers')
-        return (shard * inter, inter)
-
-    def _rank_slice(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full checkpoint tensor; ``kind`` is the module name (q_proj, ...)."""
-        rank, size = self.tp.rank, self.tp.size
-        if kind in ("q_proj", "gate_proj", "up_proj"):  # output rows: this rank's heads / MLP features
-            return shard_tensor(tensor, rank, size, dim=0)
-        if kind in ("k_proj", "v_proj"):  # this rank's kv heads, replicated when there are fewer than ranks
-            total_kv = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-            first, end = kv_head_range(total_kv, rank, size)
-            return tensor[first * self.head_dim:end * self.head_dim]
-        if kind in ("o_proj", "down_proj"):  # input columns of [out, in]; a bias stays whole (added once)
-            return tensor if tensor.dim() == 1 else shard_tensor(tensor, rank, size, dim=1)
-        if kind in ("embed_tokens", "lm_head"):
-            return shard_vocab(tensor, rank, size)
-        return tensor  # norms are replicated
+        if shard is None:
+            return path, Piece(0, out)
+        # a fused linear's pieces, as its column loader fills them (models/parallel.py: column_linear)
+        return (path, linear.pieces[shard]) if isinstance(linear, Linear) and shard < len(linear.pieces) else None
 
 
 # checkpoint modules this model serves side by side in one linear: name -> (the fused linear, its shard)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _checkpoint_param(name: str) -> tuple[str, int | None]:
+    """The parameter a checkpoint tensor loads into and its piece there: ``layers.0.self_attn.k_proj.weight``
+    -> (``layers.0.self_attn.qkv_proj.weight``, 1); any name outside ``_FUSED`` -> (itself, None)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in _FUSED:
+        return name, None
+    target, shard = _FUSED[parts[-2]]
+    return ".".join(parts[:-2] + [target, parts[-1]]), shard
 
 
 def unfused_pieces(name: str, tensor: torch.Tensor, q_size: int,
@@ -498,6 +469,8 @@ def materialize_(module: nn.Module, dtype: torch.dtype, device: str | torch.devi
                 data = (torch.empty(p.shape, dtype=dt, device=device) if p.is_meta
                         else p.detach().to(device=device, dtype=dt))
                 made[id(p)] = nn.Parameter(data, requires_grad=False)
+                if "weight_loader" in p.__dict__:  # the loader it was created with goes with it
+                    set_weight_loader(made[id(p)], p.__dict__["weight_loader"])
             m._parameters[name] = made[id(p)]
         for name, b in list(m._buffers.items()):
             if b is not None:

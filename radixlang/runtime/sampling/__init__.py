@@ -1,2 +1,3 @@
-"""Sampling: ``SamplingParams`` (validated, torch-free, shared with the DSL's wire names)
-and the batched sampler with logprobs. Imports only torch and the stdlib."""
+"""Sampling: ``SamplingParams`` (validated, torch-free, shared with the DSL's wire names), the batched
+sampler with logprobs, and a step's plan and output with what a runner does with them (``step_io``,
+``step_sampler``). Imports torch, the stdlib and the kernels' token bitmasks."""

@@ -157,8 +157,8 @@ class ScheduleBatch:
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    def step_inputs(self, logit_rows: torch.Tensor) -> StepInputs:
-        """The model runner's host inputs for this batch; ``logit_rows`` [n] int64 token rows to score."""
+    def step_inputs(self, logit_rows: list[int]) -> StepInputs:
+        """The model runner's host inputs for this batch; ``logit_rows``: the token rows to score."""
         reqs = self.reqs
         if self.mode is ForwardMode.DECODE:
             input_ids = [r.last_token for r in reqs]
@@ -177,6 +177,7 @@ class ScheduleBatch:
                           req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
                           seq_lens=seq_lens, prefix_lens=list(self.prefix_lens),
                           extend_lens=list(self.extend_lens), out_cache_loc=self.out_cache_loc,
-                          logit_rows=logit_rows, prompt_lens=[r.prompt_len for r in reqs],
+                          logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+                          prompt_lens=[r.prompt_len for r in reqs],
                           lora_ids=([r.lora_id for r in reqs] if any(r.lora_id is not None for r in reqs)
                                     else None))

@@ -1,5 +1,5 @@
-"""A constrained request's grammar in a step: masks before sampling, advancing by the
-sampled token, and jump-forward over text the grammar forces."""
+"""A constrained request's grammar in a step: its masks for the step's plan (the runner applies them
+before sampling), advancing by the chosen token, and jump-forward over text the grammar forces."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from radixlang.constrained import GrammarState
-from radixlang.kernels.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from radixlang.kernels.bitmask import allocate_token_bitmask
 from radixlang.runtime.io_struct import FinishReason
 from radixlang.runtime.scheduler.batch import Req
 from radixlang.runtime.scheduler.stop import check_finished
@@ -16,19 +16,21 @@ from radixlang.runtime.scheduler.stop import check_finished
 logger = logging.getLogger(__name__)
 
 
-def apply_grammar_masks(reqs: list[Req], logits: torch.Tensor) -> None:
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
-    if not rows:
-        return
-    # filled on the CPU (where every backend computes masks), then one copy to the logits' device
-    mask = allocate_token_bitmask(len(reqs), logits.shape[-1], "cpu")
-    for i in rows:
-        grammar = reqs[i].grammar
-        if grammar is not None:
-            grammar.allowed_token_mask(mask[i])
-    if logits.device.type != "cpu":
-        mask = mask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else mask.to(logits.device)
-    apply_token_bitmask_inplace(logits, mask, rows)
+def grammar_rows(grammar: GrammarState, drafts: list[int], vocab_size: int) -> tuple[torch.Tensor, list[bool]]:
+    """The grammar's bitmask for a request's next token and after each of its drafts, [rows, words] int32
+    on the CPU (where every backend computes masks), and whether the grammar accepts (may end) at each row.
+
+    The drafts advance a copy of the grammar; the rows stop at the first draft it rejects (that draft's row
+    rejects it, so no later row is reached) or after one that ends it."""
+    g = grammar.copy() if drafts else grammar
+    masks = allocate_token_bitmask(len(drafts) + 1, vocab_size, "cpu")
+    accepting: list[bool] = []
+    for j in range(len(drafts) + 1):
+        g.allowed_token_mask(masks[j])
+        accepting.append(g.is_accepting())
+        if j == len(drafts) or not g.accept_token(drafts[j]) or g.is_terminated():
+            break
+    return masks[:len(accepting)], accepting
 
 
 def advance_grammar(req: Req, tok: int) -> FinishReason | None:

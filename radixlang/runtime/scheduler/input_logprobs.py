@@ -1,14 +1,13 @@
-"""Which logit rows a step needs, and the logprobs recorded from them that are not of a sampled
-token: the prompt's (input logprobs) and those of jump-forwarded output tokens."""
+"""Which logit rows a step needs, and the logprobs owed from them that are not of a sampled token: the
+prompt's (input logprobs) and those of jump-forwarded output tokens; the runner computes them
+(sampling/step_sampler.py), and the scheduler records them here."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from radixlang.kernels.attention.base import ForwardMode
-from radixlang.runtime.scheduler.batch import ScheduleBatch
-from radixlang.runtime.sampling.sampler import compute_logprobs
+from radixlang.runtime.sampling.step_io import Logprobs, Scored, StepOutput, StepPlan
+from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
 
 
 class LogitSpan(NamedTuple):
@@ -52,42 +51,69 @@ def _owed_positions(seq_len: int, num_owed: int, start: int, end: int) -> range:
     return range(max(seq_len - num_owed - 1, start), min(seq_len - 1, end))
 
 
-def record_input_logprobs(batch: ScheduleBatch, logits: torch.Tensor, spans: list[LogitSpan]) -> None:
+def prompt_scored(batch: ScheduleBatch, spans: list[LogitSpan]) -> list[Scored | None]:
+    """Per request, its prompt rows whose logprobs this step owes (an EXTEND of a logprob request), or None."""
+    out: list[Scored | None] = [None] * len(batch.reqs)
+    if batch.mode is not ForwardMode.EXTEND:
+        return out
+    for i, (req, span, pre, ext) in enumerate(zip(batch.reqs, spans, batch.prefix_lens, batch.extend_lens)):
+        if not req.return_logprob:
+            continue
+        # its report so far, counting the unscored first entry that recording adds
+        have = len(req.input_token_logprobs) or int(req.input_logprob_unscored_first)
+        if have >= req.prompt_len - req.input_logprob_start:
+            continue  # complete already (a retracted request being recomputed)
+        n = max(0, min(pre + ext, req.prompt_len - 1) - span.first_pos)
+        if n:
+            targets = req.origin_input_ids[span.first_pos + 1:span.first_pos + 1 + n]
+            out[i] = Scored(first=span.first, targets=targets, top_k=req.top_logprobs_num)
+    return out
+
+
+def owed_scored(batch: ScheduleBatch, spans: list[LogitSpan]) -> list[Scored | None]:
+    """Per request, the rows scoring its jump-forwarded tokens whose KV this step computes, or None."""
+    out: list[Scored | None] = []
+    for req, span in zip(batch.reqs, spans):
+        first_tok = req.seq_len - req.logprob_owed  # position of the first owed token
+        out.append(Scored(first=span.owed_first, targets=req.tokens(first_tok, first_tok + span.num_owed),
+                          top_k=req.top_logprobs_num) if span.num_owed else None)
+    return out
+
+
+def record_input_logprobs(batch: ScheduleBatch, plan: StepPlan, out: StepOutput) -> None:
     if batch.mode is not ForwardMode.EXTEND:
         return
-    for req, span, pre, ext in zip(batch.reqs, spans, batch.prefix_lens, batch.extend_lens):
+    for req, rp, ro in zip(batch.reqs, plan.reqs, out.reqs):
         if not req.return_logprob:
             continue
         if not req.input_token_logprobs and req.input_logprob_unscored_first:
             req.input_token_logprobs.append([None, req.origin_input_ids[req.input_logprob_start]])
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
-        if len(req.input_token_logprobs) >= req.prompt_len - req.input_logprob_start:
-            continue  # complete already (a retracted request being recomputed)
-        n = max(0, min(pre + ext, req.prompt_len - 1) - span.first_pos)
-        if n == 0:
-            continue
-        first_pos, first = span.first_pos, span.first
-        targets = torch.tensor(req.origin_input_ids[first_pos + 1:first_pos + 1 + n], dtype=torch.int64)
-        vals, top = compute_logprobs(logits[first:first + n], targets, req.top_logprobs_num)
-        req.input_token_logprobs.extend([v, t] for v, t in zip(vals, targets.tolist()))
-        if top is not None:
-            req.input_top_logprobs.extend([list(p) for p in zip(vs, ids)] for vs, ids in zip(top.values, top.ids))
+        if rp.prompt is not None and ro.prompt is not None:
+            _extend(req.input_token_logprobs, req.input_top_logprobs, rp.prompt.targets, ro.prompt)
 
 
-def record_jump_logprobs(batch: ScheduleBatch, logits: torch.Tensor, spans: list[LogitSpan]) -> None:
+def record_jump_logprobs(batch: ScheduleBatch, plan: StepPlan, out: StepOutput) -> None:
     """The output logprobs of jump-forwarded tokens whose KV this step computes: the model's own,
     unmasked (the grammar forced them, and its mask may admit only another spelling of the same text);
     a finish the jump reached applies once none is owed."""
-    for req, span, sampled in zip(batch.reqs, spans, batch.sample_mask):
-        if span.num_owed:
-            n = span.num_owed
-            first_tok = req.seq_len - req.logprob_owed  # position of the first owed token
-            targets = torch.tensor(req.tokens(first_tok, first_tok + n), dtype=torch.int64)
-            vals, top = compute_logprobs(logits[span.owed_first:span.owed_first + n], targets, req.top_logprobs_num)
-            req.output_token_logprobs.extend([v, t] for v, t in zip(vals, targets.tolist()))
-            if top is not None:
-                req.output_top_logprobs.extend([list(p) for p in zip(vs, ids)] for vs, ids in zip(top.values, top.ids))
-            req.logprob_owed -= n
+    for req, rp, ro, sampled in zip(batch.reqs, plan.reqs, out.reqs, batch.sample_mask):
+        if rp.owed is not None and ro.owed is not None:
+            _extend(req.output_token_logprobs, req.output_top_logprobs, rp.owed.targets, ro.owed)
+            req.logprob_owed -= len(rp.owed.targets)
         if sampled and req.finish_after_logprobs is not None and not req.logprob_owed and not req.finished:
             req.finished_reason, req.finish_after_logprobs = req.finish_after_logprobs, None
+
+
+def finishes_on_owed(req: Req, span: LogitSpan) -> bool:
+    """Whether ``record_jump_logprobs`` will end this sampling request this step (the finish its jump
+    reached, once its owed logprobs are in): it then picks no token."""
+    return (req.finish_after_logprobs is not None and not req.finished
+            and req.logprob_owed - span.num_owed <= 0)
+
+
+def _extend(values: list, tops: list, targets: list[int], scored: Logprobs) -> None:
+    values.extend([v, t] for v, t in zip(scored.values, targets))
+    if scored.top is not None:
+        tops.extend(scored.top)

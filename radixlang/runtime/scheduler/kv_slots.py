@@ -26,6 +26,13 @@ class KVSlots:
         spaces of an swa pool)."""
         return self.cache.room()
 
+    def extend_locs(self, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        """The KV slots a prefill batch writes: each request's reserved slots [prefix, prefix + extend),
+        [sum(extend_lens)] int64."""
+        rows = self.req_to_token_pool.req_to_token
+        return torch.cat([rows[r.req_pool_idx, p:p + e].to(torch.int64)
+                          for r, p, e in zip(reqs, prefix_lens, extend_lens)])
+
     def admit(self, req: Req) -> bool:
         """Give a waiting request a request slot and its cached prefix; False if no slot is free."""
         slots = self.req_to_token_pool.alloc(1)

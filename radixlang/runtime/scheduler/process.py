@@ -57,8 +57,8 @@ def run_scheduler_process(args_json: bytes, replica: int, ipc_folder: str, ready
 def _serve(args: ServerArgs, replica: int, ipc_folder: str, ctx: zmq.Context,
            ready: Connection, failed: list[BaseException], parent: ParentWatch) -> None:
     try:  # the import too: a broken one must reach the launcher as this replica's error, not exit 0
-        from radixlang.runtime.scheduler.scheduler import Scheduler  # the heavy import: torch and the model code
-        scheduler = Scheduler(args)
+        from radixlang.runtime.scheduler.build import build_scheduler  # the heavy import: torch and the model code
+        scheduler = build_scheduler(args, replica=replica)
     except BaseException as e:
         logger.exception("the scheduler failed to start")
         ready.send_bytes(encode(SchedulerReady(replica=replica, pid=os.getpid(),

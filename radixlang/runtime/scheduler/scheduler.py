@@ -2,8 +2,10 @@
 
 One class serves the in-process Engine and the server's scheduler process.
 Each ``step()`` is: pick a batch (prefill if any waiting request fits, else
-decode every running request), run it, post-process the sampled tokens, and
-return the outputs for the detokenizer.
+decode every running request) and its plan (``step_plan``), have the runner execute
+it (forward, masks, sampling, logprobs: token ids back), do the bookkeeping of the
+chosen tokens, and return the outputs for the detokenizer. It runs no model code
+and no sampling math.
 
 Its parts live beside it: ``kv_slots`` (a request's KV slots: admit, reserve, release),
 ``grammar_wait`` (grammars compiling off the loop), ``grammar_step`` (masks, jump-forward),
@@ -18,12 +20,10 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from radixlang.constrained import GrammarCompiler
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.errors import RequestError
-from radixlang.runtime.scheduler.grammar_step import advance_grammar, apply_grammar_masks, jump_forward
+from radixlang.runtime.scheduler.grammar_step import advance_grammar, jump_forward
 from radixlang.runtime.scheduler.grammar_wait import GrammarWaits
 from radixlang.runtime.scheduler.input_logprobs import logit_rows, record_input_logprobs, record_jump_logprobs
 from radixlang.runtime.io_struct import (BatchTokenIDOut, FinishReason, FlushCacheOut, LoRAUpdateOut,
@@ -35,6 +35,7 @@ from radixlang.runtime.scheduler.request_checks import token_budget
 from radixlang.runtime.scheduler.batch import Req, ScheduleBatch
 from radixlang.runtime.scheduler.policy import order_waiting
 from radixlang.runtime.scheduler.speculative import make_drafter
+from radixlang.runtime.scheduler.step_plan import build_plan
 from radixlang.runtime.scheduler.output import OutputCollector
 from radixlang.runtime.scheduler.stats import SchedulerStats, find_memory_leak
 from radixlang.runtime.scheduler.stop import check_finished
@@ -43,36 +44,29 @@ from radixlang.runtime.mem_cache.req_cache import NoReqCache, ReqCache
 from radixlang.runtime.mem_cache.swa_memory_pool import SWATokenToKVPool
 from radixlang.runtime.mem_cache.swa_req_cache import SWANoReqCache, SWATreeReqCache
 from radixlang.runtime.mem_cache.tree_req_cache import TreeReqCache
-from radixlang.runtime.model_executor.model_runner import ModelRunner
 from radixlang.runtime.model_executor.pooling import PooledRows, PoolingConfig, read_pooling_config
 from radixlang.runtime.model_executor.runner import Runner
-from radixlang.runtime.models.layers.rotary import rope_length_key
-from radixlang.runtime.sampling.sampler import SamplingInfo, compute_logprobs, sample, verify_draft
+from radixlang.runtime.sampling.step_io import StepOutput, StepPlan, TopRow, UnmaskedRow
 from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """One replica's scheduling loop over a model runner.
-
-    ``runner`` is built from the args when not given (a ``ModelRunner``); tests pass a scripted
-    one: anything that satisfies ``model_executor.runner.Runner``.
+    """One replica's scheduling loop over a runner: anything that satisfies ``model_executor.runner.Runner``
+    (a ``ModelRunner``, built with its scheduler by ``scheduler/build.py``; tests pass a scripted one).
+    It decides each step's batch and plan; the runner executes it and returns token ids.
     """
 
-    def __init__(self, server_args: ServerArgs, *, runner: Runner | None = None) -> None:
+    def __init__(self, server_args: ServerArgs, *, runner: Runner) -> None:
         self.args = server_args.resolve()
-        if self.args.device == "cpu" and self.args.num_threads:
-            torch.set_num_threads(self.args.num_threads)
-        torch.manual_seed(self.args.random_seed)
-        self.runner: Runner = runner if runner is not None else ModelRunner(self.args)
+        self.runner = runner
         self.tokenizer = self.runner.tokenizer
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.kv_pool = self.runner.kv_pool
         self.cache = _make_req_cache(self.args, self.req_to_token_pool, self.kv_pool)
         self.kv = KVSlots(self.req_to_token_pool, self.kv_pool, self.cache)
         self.eos_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
-        self.generator = torch.Generator().manual_seed(self.args.random_seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -110,8 +104,7 @@ class Scheduler:
                   top_logprobs_num=tr.top_logprobs_num, stream=tr.stream,
                   eos_token_ids=frozenset() if params.ignore_eos else self.eos_ids, grammar_future=future,
                   arrival_time=time.monotonic(), lora_id=lora_id,
-                  cache_namespace=cache_namespace(rope_length_key(self.runner.hf_config, len(tr.input_ids)),
-                                                  lora_id))
+                  cache_namespace=cache_namespace(self.runner.rope_length_key(len(tr.input_ids)), lora_id))
         if self.pooling is not None:
             req.pooled = PooledRows(positions=self.pooling.positions(req.prompt_len),
                                     dimensions=tr.embedding_dimensions)
@@ -245,10 +238,9 @@ class Scheduler:
         logger.info("prefill batch: %d seqs, %d new tokens, %d cached tokens, %d running, %d queued, "
                     "kv free %d / %d", len(reqs), sum(extend_lens), sum(prefix_lens), len(self.running),
                     len(self.waiting), self.kv_pool.available_size(), self.kv_pool.size)
-        locs = [self.req_to_token_pool.req_to_token[r.req_pool_idx, p:p + e].to(torch.int64)
-                for r, p, e in zip(reqs, prefix_lens, extend_lens)]
         return ScheduleBatch(mode=ForwardMode.EXTEND, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix_lens,
-                             out_cache_loc=torch.cat(locs), sample_mask=sample_mask)
+                             out_cache_loc=self.kv.extend_locs(reqs, prefix_lens, extend_lens),
+                             sample_mask=sample_mask)
 
     # ---- decode ----------------------------------------------------------------------------
     def _get_decode_batch(self) -> ScheduleBatch | None:
@@ -317,17 +309,16 @@ class Scheduler:
             self._run_pooled_batch(batch, self.pooling)
             return
         rows, logprob_spans = logit_rows(batch)
-        logits = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
-        sample_rows = [i for i, s in enumerate(batch.sample_mask) if s]
-        record_input_logprobs(batch, logits, logprob_spans)
-        record_jump_logprobs(batch, logits, logprob_spans)
+        plan = build_plan(batch, logprob_spans, vocab_size=self.runner.vocab_size)
+        out = self.runner.execute(batch.step_inputs(rows), plan)
+        record_input_logprobs(batch, plan, out)
+        record_jump_logprobs(batch, plan, out)
         if batch.mode is ForwardMode.EXTEND and not batch.from_running:
             self._after_extend(batch)
         if batch.drafts is not None:
-            self._verify_drafts(batch, logits, [span[1] for span in logprob_spans])
-        elif sample_rows:
-            self._sample_and_append([batch.reqs[i] for i in sample_rows],
-                                    logits[[logprob_spans[i][1] for i in sample_rows]])
+            self._append_verified(batch, out)
+        else:
+            self._append_sampled(batch, out)
         self._update_running(batch)
         self.kv.trim_windows(self.running)
 
@@ -335,7 +326,9 @@ class Scheduler:
         """An embedding server's prefill: the runner returns the pooled rows' hidden states; a request
         whose last chunk ran finishes with its embedding."""
         rows, spans = pooled_rows(batch)
-        hidden = self.runner.forward(batch.step_inputs(torch.tensor(rows, dtype=torch.int64)))
+        hidden = self.runner.execute(batch.step_inputs(rows), StepPlan(reqs=[])).hidden
+        if hidden is None:
+            raise RuntimeError("the runner of an embedding server returned no hidden states")
         add_pooled(batch, hidden, spans, pooling)
         self._after_extend(batch)
         for req, last_chunk in zip(batch.reqs, batch.sample_mask):
@@ -361,64 +354,33 @@ class Scheduler:
                 self.running.append(req)
                 req.is_retracted = False
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """logits [len(reqs), vocab] float32: the next-token logits of each request."""
-        # unmasked rows for a token a jump-forward respells (see _append_token)
-        unmasked = logits.clone() if any(r.return_logprob and r.grammar is not None for r in reqs) else None
-        apply_grammar_masks(reqs, logits)
-        raw = logits.clone() if any(r.return_logprob for r in reqs) else logits
-        if all(r.max_new_tokens == 0 for r in reqs):
-            next_ids = None
-        else:
-            next_ids = sample(logits, self._sampling_info(reqs), self.generator)
-            next_ids_cpu = next_ids.tolist()  # the one device-to-host read of a step's sampled tokens
+    def _append_sampled(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Each request that sampled appends its token (none chosen: max_new_tokens 0 ends it)."""
         now = time.monotonic()
-        for i, req in enumerate(reqs):
-            if req.finished:
+        for req, sampled, ro in zip(batch.reqs, batch.sample_mask, out.reqs):
+            if not sampled or req.finished:
                 continue
-            if next_ids is None or req.max_new_tokens == 0:
+            if not ro.tokens or req.max_new_tokens == 0:
                 req.finished_reason = FinishReason.max_tokens(0)
                 continue
             self.metrics.observe_token(req, now)
-            self._append_token(req, next_ids_cpu[i], raw=raw[i:i + 1] if req.return_logprob else None,
-                               unmasked=unmasked[i:i + 1] if unmasked is not None else None)
+            self._append_token(req, ro.tokens[0], logprob=ro.token_logprob(0),
+                               unmasked=ro.unmasked[0] if ro.unmasked else None)
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 
-    def _verify_drafts(self, batch: ScheduleBatch, logits: torch.Tensor, last_rows: list[int]) -> None:
-        """Speculative decoding: each request appends its drafts while the target model agrees, then one
-        token of its own; the rejected drafts' KV slots are freed.
-
-        Row j of a request (``last_rows[i] - len(drafts) + j``) holds the next-token logits after its
-        pending token and j drafts: the token chosen from it is the one plain decoding would append
-        there, so draft j is kept iff it equals that token (see ``verify_draft`` for sampled requests).
-        """
-        drafts = batch.drafts or []
-        firsts = [last - len(d) for last, d in zip(last_rows, drafts)]
-        plain = [i for i, r in enumerate(batch.reqs) if _plain_greedy(r)]
-        picked: dict[int, list[int]] = {}
-        if plain:  # greedy requests without a grammar or penalties: one argmax over all their rows
-            rows = [firsts[i] + j for i in plain for j in range(len(drafts[i]) + 1)]
-            top = torch.argmax(logits[rows], dim=-1).tolist()  # the one device-to-host read for them
-            for i in plain:
-                picked[i], top = top[:len(drafts[i]) + 1], top[len(drafts[i]) + 1:]
+    def _append_verified(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Speculative decoding: each request appends the drafts the runner kept, then its own token, while
+        none ends it or jumps forward; the rejected drafts' KV slots are freed."""
         now = time.monotonic()
-        for i, (req, d) in enumerate(zip(batch.reqs, drafts)):
+        for req, d, ro in zip(batch.reqs, batch.drafts or [], out.reqs):
             accepted = 0
-            for j in range(len(d) + 1 if not req.finished else 0):
+            for j, tok in enumerate(ro.tokens if not req.finished else []):
                 draft = d[j] if j < len(d) else None
-                raw = unmasked = None
-                if i in picked:
-                    tok = picked[i][j]
-                else:
-                    row = logits[firsts[i] + j:firsts[i] + j + 1].clone()
-                    unmasked = row.clone() if req.return_logprob and req.grammar is not None else None
-                    apply_grammar_masks([req], row)
-                    raw = row.clone() if req.return_logprob else None
-                    tok = verify_draft(row, self._sampling_info([req]), draft, self.generator)
                 self.metrics.observe_token(req, now)
                 before = len(req.output_ids)
-                self._append_token(req, tok, raw=raw, unmasked=unmasked)
+                self._append_token(req, tok, logprob=ro.token_logprob(j),
+                                   unmasked=ro.unmasked[j] if j < len(ro.unmasked) else None)
                 if tok != draft or req.finished or len(req.output_ids) != before + 1:  # a jump-forward
                     break
                 accepted += 1
@@ -432,32 +394,15 @@ class Scheduler:
             if req.stream and not req.finished:
                 self.outputs.add(req, final=False)
 
-    @staticmethod
-    def _sampling_info(reqs: list[Req]) -> SamplingInfo:
-        return SamplingInfo(
-            params=[r.sampling_params for r in reqs], output_ids=[r.output_ids for r in reqs],
-            # a grammar in an accepting state decides the end itself: banning EOS could leave no token
-            min_tokens_blocked=[sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
-                                if len(r.output_ids) < r.sampling_params.min_new_tokens
-                                and not (r.grammar is not None and r.grammar.is_accepting()) else []
-                                for r in reqs])
+    def _append_token(self, req: Req, tok: int, *, logprob: tuple[float, TopRow | None] | None = None,
+                      unmasked: UnmaskedRow | None = None) -> None:
+        """Append the chosen token, advance the grammar (and jump forward), and decide if it ends the request.
 
-    @staticmethod
-    def _record_output_logprob(req: Req, raw: torch.Tensor, next_id: torch.Tensor) -> None:
-        vals, top = compute_logprobs(raw, next_id, req.top_logprobs_num)
-        req.output_token_logprobs.append([vals[0], int(next_id[0])])
-        if top is not None:
-            req.output_top_logprobs.append([list(p) for p in zip(top.values[0], top.ids[0])])
-
-    def _append_token(self, req: Req, tok: int, *, raw: torch.Tensor | None = None,
-                      unmasked: torch.Tensor | None = None) -> None:
-        """Append the sampled token, advance the grammar (and jump forward), and decide if it ends the request.
-
-        ``raw`` [1, vocab]: the masked logits it was sampled from, for a request that wants logprobs;
-        ``unmasked``: the same before the grammar mask. A jump-forward may respell the token with the
-        forced text: the token that stays was forced, not sampled, and gets its unmasked logprob, as the
-        jumped tokens do. Those come from the next step's extend, which computes their KV, so asking for
-        logprobs never changes the tokens; a finish the jump reached waits for that step.
+        ``logprob``: the token's logprob (and top_k) from the masked row it was chosen from, for a request
+        that wants logprobs; ``unmasked``: that row before the grammar mask. A jump-forward may respell the
+        token with the forced text: the token that stays was forced, not sampled, and gets its unmasked
+        logprob, as the jumped tokens do. Those come from the next step's extend, which computes their KV, so
+        asking for logprobs never changes the tokens; a finish the jump reached waits for that step.
         """
         n = len(req.output_ids)
         before = req.grammar.copy() if req.grammar is not None and self.jump_forward else None
@@ -468,10 +413,14 @@ class Scheduler:
             req.finished_reason, added = jump_forward(req, before, self.tokenizer)
             self.stats["jump_forward_tokens"] += added
             self.stats["generated_tokens"] += added
-        if raw is not None:
+        if logprob is not None:
             kept = req.output_ids[n]
-            self._record_output_logprob(req, unmasked if kept != tok and unmasked is not None else raw,
-                                        torch.tensor([kept]))
+            if kept != tok and unmasked is not None:
+                logprob = unmasked.logprob(kept)
+            value, top = logprob
+            req.output_token_logprobs.append([value, kept])
+            if top is not None:
+                req.output_top_logprobs.append(top)
         if req.logprob_owed and req.finished_reason is not None and not req.finished_reason.is_abort:
             req.finish_after_logprobs, req.finished_reason = req.finished_reason, None
 
@@ -523,14 +472,6 @@ def _make_req_cache(args: ServerArgs, req_pool: ReqToTokenPool, kv_pool: TokenTo
     if args.disable_radix_cache:
         return NoReqCache(req_pool, kv_pool)
     return TreeReqCache(req_pool, kv_pool, page_size=args.page_size)
-
-
-def _plain_greedy(req: Req) -> bool:
-    """Whether the request's next token is the argmax of its raw logits (no grammar, bias or penalty)."""
-    p = req.sampling_params
-    return (p.is_greedy and req.grammar is None and not req.return_logprob and not p.logit_bias_ids
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and len(req.output_ids) >= p.min_new_tokens)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -1,9 +1,9 @@
 """Speculative decoding's drafters: n-gram (prompt lookup) and a small draft model.
 
 Each decode step, a drafter proposes a few tokens per running request; the scheduler feeds the
-request's pending token and its drafts as one extend, scores every position, and keeps the drafts the
-target model agrees with (``Scheduler._verify_drafts``): greedy output is token-for-token what plain
-decoding gives, and sampled output keeps the target's distribution (``sampling.sampler.verify_draft``:
+request's pending token and its drafts as one extend, and the runner scores every position and keeps
+the drafts the target model agrees with (``sampling/step_sampler.py``): greedy output is token-for-token
+what plain decoding gives, and sampled output keeps the target's distribution (``sampling.sampler.verify_draft``:
 the drafts are deterministic, so rejection sampling against a one-hot proposal). The KV slots of
 rejected drafts go back to the pool in the same step.
 
@@ -27,9 +27,13 @@ import torch
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.scheduler.batch import Req
 from radixlang.runtime.model_executor.forward_batch import StepInputs
+from radixlang.runtime.sampling.sampling_params import SamplingParams
+from radixlang.runtime.sampling.step_io import ReqPlan, StepPlan, TokenChoice
 from radixlang.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams.from_dict({"temperature": 0.0})  # the draft model's drafts are its argmax tokens
 
 
 class Drafter(Protocol):
@@ -184,13 +188,12 @@ class DraftModelDrafter:
             ext.append(n)
             slot.kv_len = req.seq_len
         rows = torch.tensor([sum(ext[:j + 1]) - 1 for j in range(len(ext))], dtype=torch.int64)
-        logits = self.runner.forward(StepInputs(
+        last = self._greedy(StepInputs(
             mode=ForwardMode.EXTEND, input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64), req_pool_indices=self._indices(chosen),
             seq_lens=[p + e for p, e in zip(pre, ext)], prefix_lens=pre, extend_lens=ext,
             out_cache_loc=torch.cat(locs).to(torch.int64), logit_rows=rows,
             prompt_lens=[req.prompt_len for _, req, _, _ in chosen]))
-        last = torch.argmax(logits, dim=-1).tolist()
         for (i, _, slot, _), tok in zip(chosen, last):
             out[i].append(tok)
             slot.fed = 0
@@ -201,15 +204,21 @@ class DraftModelDrafter:
                 break
             seq = [req.seq_len + step for _, req, _, _ in group]
             loc = torch.stack([self._row(slot)[n - 1] for (_, _, slot, _), n in zip(group, seq)]).to(torch.int64)
-            logits = self.runner.forward(StepInputs(
+            picked = self._greedy(StepInputs(
                 mode=ForwardMode.DECODE, input_ids=torch.tensor([out[i][-1] for i, *_ in group], dtype=torch.int64),
                 positions=torch.tensor([n - 1 for n in seq], dtype=torch.int64),
                 req_pool_indices=self._indices(group), seq_lens=seq, prefix_lens=[n - 1 for n in seq],
                 extend_lens=[1] * len(group), out_cache_loc=loc, logit_rows=torch.arange(len(group))))
-            for (i, _, slot, _), tok in zip(group, torch.argmax(logits, dim=-1).tolist()):
+            for (i, _, slot, _), tok in zip(group, picked):
                 out[i].append(tok)
                 slot.fed += 1
         return out
+
+    def _greedy(self, inputs: StepInputs) -> list[int]:
+        """Run the draft model; the argmax token of each logit row (the runner's sampling code)."""
+        choice = [ReqPlan(choice=TokenChoice(first=i, params=_GREEDY, output_ids=[], min_tokens_blocked=[[]]))
+                  for i in range(len(inputs.logit_rows))]
+        return [out.tokens[0] for out in self.runner.execute(inputs, StepPlan(reqs=choice)).reqs]
 
     def settle(self, req: Req, drafted: int, accepted: int) -> None:
         slot = req.draft_state

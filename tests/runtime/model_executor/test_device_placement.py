@@ -99,13 +99,13 @@ def _args(tiny_model_dir: str, device: str):
 @pytest.fixture(scope="module")
 def cpu_reference(tiny_model_dir) -> dict:
     """The drive's tokens and logprobs on a plain CPU engine."""
-    from radixlang.runtime.scheduler.scheduler import Scheduler
-    return _drive(Scheduler(_args(tiny_model_dir, "cpu")))
+    from radixlang.runtime.scheduler.build import build_scheduler
+    return _drive(build_scheduler(_args(tiny_model_dir, "cpu")))
 
 
 def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monkeypatch, cpu_reference):
     from radixlang.kernels import bitmask
-    from radixlang.runtime.scheduler.scheduler import Scheduler
+    from radixlang.runtime.scheduler.build import build_scheduler
 
     # the grammar mask takes the device (Triton) path; its kernel cannot launch on the CPU, so the torch
     # path stands in for it after the device checks the Triton path makes
@@ -121,7 +121,7 @@ def test_a_cuda_engine_mixes_no_host_tensor_into_device_ops(tiny_model_dir, monk
     ref = cpu_reference
     mode = FakeDeviceMode()
     with mode:
-        sched = Scheduler(_args(tiny_model_dir, "cuda"))
+        sched = build_scheduler(_args(tiny_model_dir, "cuda"))
         assert sched.runner.req_to_token_pool.req_to_token.device.type == "cuda"
         assert sched.runner.kv_pool.k_buffer[0].device.type == "cuda"
         got = _drive(sched)
@@ -432,7 +432,7 @@ def test_decode_replays_padded_cuda_graphs_with_the_eager_tokens(tiny_model_dir,
 
     from radixlang.kernels import bitmask
     from radixlang.kernels.cuda_graph import CudaGraphRunner, default_capture_sizes
-    from radixlang.runtime.scheduler.scheduler import Scheduler
+    from radixlang.runtime.scheduler.build import build_scheduler
 
     ref = cpu_reference
     _emulate_cuda_graphs(monkeypatch)
@@ -451,7 +451,7 @@ def test_decode_replays_padded_cuda_graphs_with_the_eager_tokens(tiny_model_dir,
     assert default_capture_sizes(160) == [1, 2, 4, 8] + list(range(16, 161, 8))
     args = dataclasses.replace(_args(tiny_model_dir, "cuda"), disable_cuda_graph=False, cuda_graph_max_bs=4)
     with FakeDeviceMode():
-        sched = Scheduler(args)
+        sched = build_scheduler(args)
         runner = sched.runner.graph_runner
         assert runner is not None and runner.capture_sizes == [1, 2, 4]
         assert sched.runner.attn_backend.graph_state == (4, sched.runner.req_to_token_pool.max_context_len)

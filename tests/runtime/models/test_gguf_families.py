@@ -359,7 +359,8 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     import gguf
 
     from radixlang import Engine
-    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.gguf_quant import GGUFBlocksMethod, QuantLinear
+    from radixlang.runtime.models.layers.linear import Linear
 
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=7)
     private_cache(tmp_path / "cache", monkeypatch)
@@ -376,12 +377,17 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
         model = runner.model
         layer = model.layers[0]
         qkv = layer.self_attn.qkv_proj
-        assert isinstance(qkv, QuantLinear) and qkv.source_type == "Q4_0/Q8_0"
-        assert qkv.weight_q.layout.startswith("q8")  # the Q4_0 parts' 4-bit codes kept as 8-bit ones
-        assert {type(m).__name__ for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)} \
-            == {"QuantLinear"}
-        assert layer.mlp.down_proj.source_type == "Q8_0" and layer.mlp.gate_up_proj.source_type == "Q4_1"
-        assert len(model.deferred_params) == 4 * 3  # q/k/v, o, gate/up, down of each of the 3 layers
+        assert isinstance(qkv.method, GGUFBlocksMethod) and isinstance(qkv.kernel, QuantLinear)
+        assert qkv.kernel.source_type == "Q4_0/Q8_0"
+        assert qkv.kernel.weight_q.layout.startswith("q8")  # the Q4_0 parts' 4-bit codes kept as 8-bit ones
+        assert {type(m.kernel).__name__ for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                                  layer.mlp.down_proj)} == {"QuantLinear"}
+        assert layer.mlp.down_proj.kernel.source_type == "Q8_0"
+        assert layer.mlp.gate_up_proj.kernel.source_type == "Q4_1"
+        # q/k/v, o, gate/up, down of each of the 3 layers: never given a float32 weight
+        blocks = [m for m in model.layers.modules()
+                  if isinstance(m, Linear) and isinstance(m.method, GGUFBlocksMethod)]
+        assert len(blocks) == 4 * 3 and all(m.weight is None for m in blocks)
         assert not any(p.is_meta for p in model.parameters())
         assert runner.decode_stack is not None  # no float32 linear left to turn the fused step off
         got = quantized.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
@@ -397,13 +403,26 @@ def test_quantized_gguf_with_mixed_types_loads_each_linear_once(tmp_path, monkey
     assert tokens == want_tokens
 
 
+def _count_opens(monkeypatch, path: str) -> list:
+    """The opens of the file at ``path`` from now until ``monkeypatch.undo()``, as they happen."""
+    import builtins
+
+    opened, real_open = [], builtins.open
+
+    def counting(file, *a, **kw):
+        if isinstance(file, (str, os.PathLike)) and os.path.realpath(file) == os.path.realpath(path):
+            opened.append(file)
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    return opened
+
+
 def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
     """A runner's start on a quantized GGUF (its config folder cached by an earlier start) opens the file
     once: the same parsed header serves the blocks' plan, the float tensors' stream and the blocks."""
-    import builtins
-
     from radixlang.runtime.model_executor.model_runner import ModelRunner
-    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.gguf_quant import GGUFBlocksMethod
     from radixlang.runtime.models.loader.gguf_convert import ensure_converted
     from radixlang.runtime.server_args import ServerArgs
 
@@ -415,17 +434,39 @@ def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
                                               "attn_output": t.Q8_0, "ffn_down": t.Q4_0})
     ensure_converted(path)  # the first start's conversion (transformers reads the tokenizer from the file)
     args = ServerArgs(model_path=path, device="cpu", quantization="gguf", max_total_tokens=256).resolve()
-    opened, real_open = [], builtins.open
-
-    def counting(file, *a, **kw):
-        if isinstance(file, (str, os.PathLike)) and os.path.realpath(file) == os.path.realpath(path):
-            opened.append(file)
-        return real_open(file, *a, **kw)
-
-    monkeypatch.setattr(builtins, "open", counting)
+    opened = _count_opens(monkeypatch, path)
     runner = ModelRunner(args)
     monkeypatch.undo()
-    assert isinstance(runner.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj.method, GGUFBlocksMethod)
+    assert len(opened) == 1, opened
+
+
+def test_an_engine_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
+    """A whole Engine start on a quantized GGUF with every option left to resolve (--quantization and
+    --dtype auto, its config folder cached by an earlier start) opens the file once: the options are
+    resolved without reading it, and the loader's one header read chooses each linear's method and streams
+    every tensor (raw blocks into the block weights, dequantized into the float ones)."""
+    from radixlang import Engine
+    from radixlang.runtime.models.gguf_quant import GGUFBlocksMethod
+    from radixlang.runtime.models.loader.gguf_convert import ensure_converted
+
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=7)
+    private_cache(tmp_path / "cache", monkeypatch)
+    path = str(tmp_path / "q.gguf")
+    t = __import__("gguf").GGMLQuantizationType
+    _write_gguf(folder, path, "llama", quant={"attn_q": t.Q8_0, "attn_k": t.Q8_0, "attn_v": t.Q8_0,
+                                              "attn_output": t.Q4_0, "ffn_gate": t.Q4_1, "ffn_up": t.Q4_1,
+                                              "ffn_down": t.Q4_0})
+    ensure_converted(path)  # the first start's conversion (transformers reads the tokenizer from the file)
+    opened = _count_opens(monkeypatch, path)
+    try:
+        engine = Engine(model_path=path, device="cpu", max_total_tokens=256)
+    finally:
+        monkeypatch.undo()
+    with engine:
+        assert engine.scheduler.args.quantization == "gguf"
+        assert isinstance(engine.scheduler.runner.model.layers[0].mlp.gate_up_proj.method, GGUFBlocksMethod)
+        assert engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})["output_ids"]
     assert len(opened) == 1, opened
 
 
@@ -433,14 +474,14 @@ def test_a_start_opens_the_gguf_file_once(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypatch, family):
     """A MoE file's stacked expert tensors (Q4_0 gate, Q5_0 up, Q8_0 down, as Q4_K_M files mix a 4-bit and an
-    8-bit layout) become QuantExperts and are never loaded as float32; prompt log-probabilities match the
+    8-bit layout) take the GGUF experts method and are never loaded as float32; prompt log-probabilities match the
     same file run dequantized (--dtype float32) and the greedy tokens agree."""
     import gguf
 
     from radixlang import Engine
     from radixlang.kernels.cpu import quant as qk
-    from radixlang.runtime.models.gguf_experts import QuantExperts
-    from radixlang.runtime.models.layers.moe import Experts
+    from radixlang.runtime.models.gguf_experts import GGUFExpertsMethod
+    from radixlang.runtime.models.layers.moe import Experts, ExpertsMethod
 
     arch, hf_arch, _, overrides = MORE_FAMILIES[family]
     folder = save_tiny_hf_model(str(tmp_path / "hf"), hf_arch, seed=7, **overrides)
@@ -456,21 +497,20 @@ def test_quantized_gguf_experts_are_served_from_their_blocks(tmp_path, monkeypat
     with Engine(**kw) as quantized:
         model = quantized.scheduler.runner.model
         moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
-        assert moe_layers and all(isinstance(m.experts, QuantExperts) for m in moe_layers)
-        assert {m.experts.source_type for m in moe_layers} == {"Q4_0/Q5_0/Q8_0"}
+        assert moe_layers and all(isinstance(m.experts.method, GGUFExpertsMethod) for m in moe_layers)
+        assert {m.experts.method.source_type for m in moe_layers} == {"Q4_0/Q5_0/Q8_0"}
         # on a VNNI CPU the steps below (the 14-token prompt's experts hold a few rows each) run each layer's
         # experts in one compiled call (quant.QuantMoE)
-        assert all((m.experts.kernel is not None) == (qk.vnni() is not None) for m in moe_layers)
-        assert not any(isinstance(m, Experts) for m in model.modules())
-        assert {f"layers.{i}.mlp.experts.w13" for i, layer in enumerate(model.layers)
-                if hasattr(layer.mlp, "experts")} <= model.deferred_params
+        assert all((m.experts.method.kernel is not None) == (qk.vnni() is not None) for m in moe_layers)
+        # never given float32 weights: no w13 / w2 parameter, and no packed float experts
+        assert all(m.experts.w13 is None and m.experts.w2 is None and m.experts.packed is None for m in moe_layers)
         assert not any(p.is_meta for p in model.parameters())
         got = quantized.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                                  logprob_start_len=0)
         tokens = quantized.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
     with Engine(**kw, dtype="float32") as plain:
-        assert all(isinstance(layer.mlp.experts, Experts) for layer in plain.scheduler.runner.model.layers
-                   if hasattr(layer.mlp, "experts"))
+        assert all(isinstance(layer.mlp.experts, Experts) and type(layer.mlp.experts.method) is ExpertsMethod
+                   for layer in plain.scheduler.runner.model.layers if hasattr(layer.mlp, "experts"))
         want = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                               logprob_start_len=0)
         want_tokens = plain.generate(input_ids=ids, sampling_params=greedy)["output_ids"]

@@ -39,8 +39,8 @@ def test_adapter_on_a_quantized_gguf_base(tmp_path):
             if kind == "quantized":
                 assert engine.get_server_info()["quantization"] == "gguf"
                 layer = engine.scheduler.runner.model.layers[0]  # every linear from the file's blocks
-                kinds = [layer.self_attn.qkv_proj.source_type, layer.self_attn.o_proj.source_type,
-                         layer.mlp.down_proj.source_type]
+                kinds = [layer.self_attn.qkv_proj.kernel.source_type, layer.self_attn.o_proj.kernel.source_type,
+                         layer.mlp.down_proj.kernel.source_type]
                 assert kinds == ["Q5_0/Q8_0", "Q5_1", "Q5_0"], kinds
             got[kind] = {a: _logprobs(engine, a) for a in (None, "r8", "r64")}
     base_gap = float((got["quantized"][None] - got["float32"][None]).abs().max())

@@ -102,6 +102,12 @@ CASES = {
 }
 
 
+def _from_blocks(linear) -> bool:
+    """Whether a linear is served from a GGUF file's blocks: the GGUF blocks method, a QuantLinear kernel."""
+    from radixlang.runtime.models.gguf_quant import GGUFBlocksMethod, QuantLinear
+    return isinstance(linear.method, GGUFBlocksMethod) and isinstance(linear.kernel, QuantLinear)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog):
@@ -109,8 +115,7 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
     (the partial sums hold the same terms: see test_rank_slices_are_the_whole_tensors_rows_and_groups), the
     cached prefix reused alike."""
     from radixlang import Engine
-    from radixlang.runtime.models.gguf_quant import QuantLinear, RowParallelQuantLinear, VocabParallelQuantHead
-    from radixlang.runtime.models.parallel import RowParallelLinear
+    from radixlang.runtime.models.parallel import RowParallelLinear, VocabParallelHead
     from test_gguf_families import _write_gguf
     from tiny_model import private_cache, save_tiny_hf_model
 
@@ -122,24 +127,27 @@ def test_tp2_matches_tp1_on_a_quantized_gguf(case, tmp_path, monkeypatch, caplog
     kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
         layer = single.scheduler.runner.model.layers[0]
-        assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
+        assert _from_blocks(layer.self_attn.o_proj) and _from_blocks(layer.self_attn.qkv_proj)
         want = run_shared_prefix(single)
     with caplog.at_level(logging.WARNING, logger="radixlang.runtime.models.gguf_quant"):
         with Engine(**kw, tp_size=2) as engine:
             model = engine.scheduler.runner.model
             attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-            assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(mlp.gate_up_proj, QuantLinear)
+            assert _from_blocks(attn.qkv_proj) and _from_blocks(mlp.gate_up_proj)
             assert attn.qkv_proj.out_features == (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
             assert mlp.gate_up_proj.out_features == 2 * mlp.inter
-            assert isinstance(mlp.down_proj, RowParallelQuantLinear) and mlp.down_proj.in_features == mlp.inter
-            assert isinstance(model.lm_head, VocabParallelQuantHead)
-            assert model.lm_head.linear.out_features == 49152 // 2
+            assert isinstance(mlp.down_proj, RowParallelLinear) and _from_blocks(mlp.down_proj)
+            assert mlp.down_proj.in_features == mlp.inter
+            assert isinstance(model.lm_head, VocabParallelHead) and _from_blocks(model.lm_head)
+            assert model.lm_head.out_features == 49152 // 2
             assert not any(p.is_meta for p in model.parameters())
             if case == "phi3":
-                assert type(attn.o_proj) is RowParallelLinear  # 48 inputs a rank: kept float32
+                # 48 inputs a rank: kept float32
+                assert type(attn.o_proj) is RowParallelLinear and not _from_blocks(attn.o_proj)
                 assert "blk.0.o (96 input features over tp_size 2 is 48 a rank" in caplog.text
             else:
-                assert isinstance(attn.o_proj, RowParallelQuantLinear) and attn.o_proj.in_features == 64
+                assert isinstance(attn.o_proj, RowParallelLinear) and _from_blocks(attn.o_proj)
+                assert attn.o_proj.in_features == 64
                 assert "kept dequantized" not in caplog.text
             got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
@@ -156,7 +164,8 @@ def test_tp2_matches_tp1_on_quantized_gguf_experts(tmp_path, monkeypatch):
     input groups), served from the blocks, and the layer sums the experts' and the shared expert's terms in
     one all-reduce; same tokens and logprobs within 1e-4 as one rank, the cached prefix reused alike."""
     from radixlang import Engine
-    from radixlang.runtime.models.gguf_experts import QuantExperts
+    from radixlang.runtime.models.gguf_experts import GGUFExpertsMethod
+    from radixlang.runtime.models.parallel import RowParallelLinear
     from test_gguf_families import _write_gguf
     from tiny_model import private_cache, save_tiny_hf_model
 
@@ -170,15 +179,15 @@ def test_tp2_matches_tp1_on_quantized_gguf_experts(tmp_path, monkeypatch):
                                                  "ffn_up_shexp": T.Q4_1, "ffn_down_shexp": T.Q8_0})
     kw = dict(model_path=path, max_total_tokens=1024, chunked_prefill_size=16)
     with Engine(**kw) as single:
-        assert isinstance(single.scheduler.runner.model.layers[0].mlp.experts, QuantExperts)
+        assert isinstance(single.scheduler.runner.model.layers[0].mlp.experts.method, GGUFExpertsMethod)
         want = run_shared_prefix(single)
     with Engine(**kw, tp_size=2) as engine:
         mlp = engine.scheduler.runner.model.layers[0].mlp
         experts = mlp.experts
-        assert isinstance(experts, QuantExperts) and experts.inter == 32 and experts.tp is not None
-        assert experts.w13[0].out_features == 64 and experts.w2[0].in_features == 32
-        from radixlang.runtime.models.gguf_quant import RowParallelQuantLinear
-        assert isinstance(mlp.shared_expert.down_proj, RowParallelQuantLinear)
+        method = experts.method
+        assert isinstance(method, GGUFExpertsMethod) and experts.inter == 32 and experts.tp is not None
+        assert method.w13[0].out_features == 64 and method.w2[0].in_features == 32
+        assert isinstance(mlp.shared_expert.down_proj, RowParallelLinear) and _from_blocks(mlp.shared_expert.down_proj)
         got = run_shared_prefix(engine)
     assert got[2]["meta_info"]["cached_tokens"] >= len(SHARED)
     for g, w in zip(got, want, strict=True):

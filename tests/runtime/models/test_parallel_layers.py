@@ -9,10 +9,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from radixlang.runtime.models.layers.linear import LinearMethod, weight_loader_of
 from radixlang.runtime.models.llama import LlamaForCausalLM, check_tensor_parallel
 from radixlang.runtime.models.loader.model_loader import random_weights
 from radixlang.runtime.models.parallel import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                               kv_head_range, kv_heads_per_rank, shard_tensor, shard_vocab)
+                                               column_linear, kv_head_range, kv_heads_per_rank, shard_tensor,
+                                               shard_vocab)
 from test_models import _run_ours
 from tiny_model import MLA_FAMILIES, make_tiny_model_dir, save_tiny_hf_model
 
@@ -86,6 +88,54 @@ def test_vocab_parallel_embedding_and_logits_match_dense(vocab):
         assert tied.shape == (4, vocab)
         torch.testing.assert_close(tied, hidden @ dense.weight.T)
         torch.testing.assert_close(untied, hidden @ dense.weight.T)
+
+
+class _Rank:
+    """A rank as the weight loaders see it: its place only (they slice; they never communicate)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+def _load(param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+    weight_loader_of(param)(param, tensor, shard)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])  # 1: fewer kv heads than ranks, each rank keeps a copy
+def test_weight_loaders_take_their_rank_slice(num_kv_heads):
+    """At tp 2 a column-parallel parameter takes its rows of the full tensor, a row-parallel one its columns
+    (its bias whole), a fused one each piece's rank rows at that piece's offset; a replicated one all."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, head_dim, heads = 4, 2, 4
+    q = torch.randn(heads * head_dim, hidden, generator=gen)
+    k, v = (torch.randn(num_kv_heads * head_dim, hidden, generator=gen) for _ in range(2))
+    col, col_bias = torch.randn(6, hidden, generator=gen), torch.randn(6, generator=gen)
+    row, row_bias = torch.randn(hidden, 6, generator=gen), torch.randn(hidden, generator=gen)
+    for r in range(2):
+        tp = _Rank(r, 2)
+        column = column_linear(hidden, [("q_b", 3)], tp, LinearMethod(), bias=True)
+        _load(column.weight, col)
+        _load(column.bias, col_bias)
+        assert torch.equal(column.weight, col[3 * r:3 * r + 3]) and torch.equal(column.bias, col_bias[3 * r:3 * r + 3])
+        down = RowParallelLinear(6, hidden, tp=tp, bias=True)
+        _load(down.weight, row)
+        _load(down.bias, row_bias)
+        assert torch.equal(down.weight, row[:, 3 * r:3 * r + 3]) and torch.equal(down.bias, row_bias)
+        kv_local = max(num_kv_heads // 2, 1) * head_dim
+        qkv = column_linear(hidden, [("q", 2 * head_dim), ("k", kv_local), ("v", kv_local)], tp, LinearMethod(),
+                            num_kv_heads=num_kv_heads)
+        torch.nn.init.zeros_(qkv.weight)
+        for shard, piece in enumerate((q, k, v)):
+            _load(qkv.weight, piece, shard)
+        kv = slice(*(i * head_dim for i in kv_head_range(num_kv_heads, r, 2)))
+        want = torch.cat([q[2 * head_dim * r:2 * head_dim * (r + 1)], k[kv], v[kv]])
+        assert torch.equal(qkv.weight, want)
+        assert qkv.pieces == ((0, 2 * head_dim), (2 * head_dim, kv_local), (2 * head_dim + kv_local, kv_local))
+        with pytest.raises(ValueError, match="one at a time"):
+            _load(qkv.weight, torch.cat([q, k, v]))  # a fused tensor under tp: cut it first
+        norm = nn.Parameter(torch.empty(hidden), requires_grad=False)  # no loader of its own: copied whole
+        _load(norm, row_bias)
+        assert torch.equal(norm, row_bias)
 
 
 def test_head_splits_and_refusals():

@@ -87,7 +87,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
 @pytest.mark.e2e
 def test_engine_quantized_matches_the_dequantized_file(caplog):
     from radixlang import Engine
-    from radixlang.runtime.models.gguf_quant import QuantLinear
+    from radixlang.runtime.models.gguf_quant import GGUFBlocksMethod, QuantLinear
+    from radixlang.runtime.models.layers.linear import Linear
     from radixlang.runtime.models.loader.model_loader import default_model_path
 
     path = default_model_path()
@@ -95,11 +96,14 @@ def test_engine_quantized_matches_the_dequantized_file(caplog):
     with caplog.at_level(logging.INFO, logger="radixlang.runtime.models.gguf_quant"):
         with Engine(model_path=path, max_total_tokens=4096) as eq:
             model = eq.scheduler.runner.model
-            assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
-            assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
-            assert model.lm_head.source_type == "Q8_0"
-            # the 30 layers' q/k/v, o, gate/up and down were never loaded as float32: the blocks replaced them
-            assert len(model.deferred_params) == 120 and "layers.0.self_attn.qkv_proj.weight" in model.deferred_params
+            assert isinstance(model.layers[0].self_attn.qkv_proj.kernel, QuantLinear)
+            assert isinstance(model.layers[0].mlp.down_proj.kernel, QuantLinear)
+            assert model.lm_head.kernel.source_type == "Q8_0"
+            # the 30 layers' q/k/v, o, gate/up and down were never loaded as float32: each was bound to the
+            # GGUF blocks method (no float weight) before loading
+            blocks = [m for m in model.layers.modules()
+                      if isinstance(m, Linear) and isinstance(m.method, GGUFBlocksMethod)]
+            assert len(blocks) == 120 and all(m.weight is None for m in blocks)
             assert not any(p.is_meta for p in model.parameters())
             lq = [_logprobs(eq, p) for p in PROMPTS]
             one = eq.generate(PROMPTS[0], greedy)["output_ids"]  # a batch-1 decode: the kernel's one-row tile
@@ -107,7 +111,7 @@ def test_engine_quantized_matches_the_dequantized_file(caplog):
             eq.check_memory_leak()
     assert "210 Q4_1" in caplog.text
     with Engine(model_path=path, max_total_tokens=4096, dtype="float32") as ef:
-        assert not isinstance(ef.scheduler.runner.model.layers[0].self_attn.qkv_proj, QuantLinear)
+        assert not isinstance(ef.scheduler.runner.model.layers[0].self_attn.qkv_proj.kernel, QuantLinear)
         lf = [_logprobs(ef, p) for p in PROMPTS]
         gf = [o["output_ids"] for o in ef.generate(PROMPTS, greedy)]
     for a, b in zip(lq, lf):

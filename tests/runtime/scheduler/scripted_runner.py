@@ -7,8 +7,11 @@ sequence's KV row. So the sampled tokens are known in advance (``next_token``), 
 if the scheduler hands the runner wrong slots, wrong positions or a stale prefix (after a
 retraction, a prefix-cache hit or a chunked prefill).
 
-``script`` replaces the rule: it gets (call number, sequence so far) and returns a logits row.
-``calls`` records every step's inputs.
+``script`` replaces the rule: it gets (call number, sequence so far) and returns the token id the
+"model" favours (or, for a test of sampling, a whole logits row). The runner then does what a model
+runner does after its forward: the shared sampling code (sampling/step_sampler.py) applies the plan's
+grammar masks and bans and chooses the tokens, so masks and min_new_tokens are honoured. ``calls``
+records every step's inputs, ``plans`` every step's plan.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 from radixlang.kernels.attention.base import ForwardMode
 from radixlang.runtime.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlang.runtime.model_executor.forward_batch import StepInputs
+from radixlang.runtime.sampling.step_io import StepOutput, StepPlan
+from radixlang.runtime.sampling.step_sampler import run_plan
 
 EOS = 0
 CHARS = "abcdefghijklmnopqrstuvwxyz01234"  # token i (1..31) spells CHARS[i - 1]
@@ -64,12 +69,12 @@ def one_hot(token: int, *, value: float = 10.0) -> torch.Tensor:
     return row
 
 
-Script = Callable[[int, list[int]], torch.Tensor]
+Script = Callable[[int, list[int]], "int | torch.Tensor"]
 
 
 class ScriptedRunner:
     def __init__(self, *, kv_size: int = 64, max_running: int = 8, context_len: int = 64,
-                 script: Script | None = None) -> None:
+                 script: Script | None = None, seed: int = 0) -> None:
         self.tokenizer = CharTokenizer()
         self.hf_config = SimpleNamespace(eos_token_id=EOS, vocab_size=VOCAB)
         self.vocab_size = VOCAB
@@ -80,9 +85,18 @@ class ScriptedRunner:
                                      device="cpu")
         self.script = script
         self.calls: list[StepInputs] = []
+        self.plans: list[StepPlan] = []
         self.lora = None  # no LoRA adapters (a scheduler test of LoRA batching passes its own manager)
+        self.generator = torch.Generator().manual_seed(seed)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def rope_length_key(self, prompt_len: int) -> tuple | None:
+        return None  # every prompt takes the per-position rows
+
+    def execute(self, inputs: StepInputs, plan: StepPlan) -> StepOutput:
+        self.plans.append(plan)
+        return run_plan(self._logits(inputs), plan, self.generator)
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor:
         self.calls.append(inputs)
         loc = inputs.out_cache_loc
         if loc.numel() != inputs.input_ids.numel() or bool((loc <= 0).any()):
@@ -95,7 +109,8 @@ class ScriptedRunner:
             pos = int(inputs.positions[r])
             slots = self.req_to_token_pool.req_to_token[int(inputs.req_pool_indices[b]), :pos + 1].to(torch.int64)
             seq = [int(t) for t in keys[slots, 0, 0].tolist()]
-            rows.append(self.script(len(self.calls) - 1, seq) if self.script else one_hot(next_token(seq)))
+            picked = self.script(len(self.calls) - 1, seq) if self.script else next_token(seq)
+            rows.append(picked if isinstance(picked, torch.Tensor) else one_hot(picked))
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 
     @staticmethod

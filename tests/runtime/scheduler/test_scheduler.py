@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from scripted_runner import EOS, VOCAB, CharTokenizer, ScriptedRunner, greedy_continuation, one_hot
+from scripted_runner import EOS, VOCAB, CharTokenizer, ScriptedRunner, greedy_continuation
 
 from radixlang.constrained import GrammarCompiler, TokenizerInfo
 from radixlang.kernels.attention.base import ForwardMode
@@ -273,7 +273,7 @@ def test_a_request_waits_for_its_grammar_and_a_failing_grammar_fails_only_its_re
 
 
 def test_eos_is_not_sampled_before_min_new_tokens():
-    sched, _ = make(runner=ScriptedRunner(script=lambda call, seq: one_hot(EOS)))
+    sched, _ = make(runner=ScriptedRunner(script=lambda call, seq: EOS))
     submit(sched, "a", prompt(15), max_new_tokens=8, min_new_tokens=3)
     submit(sched, "b", prompt(16), max_new_tokens=8)
     got = run(sched)
@@ -388,3 +388,20 @@ def test_a_seeded_request_draws_the_same_tokens_alone_or_batched():
     assert len(set(alone)) > 3
     assert tokens(3) == alone
     assert tokens(1) == alone
+
+
+def test_each_data_parallel_replica_draws_its_own_unseeded_samples(monkeypatch):
+    """The Engine's replica threads and the server's replica processes both build through build_scheduler:
+    replica i's runner draws unseeded samples from random_seed + i (the weights stay random_seed's)."""
+    from radixlang.runtime.scheduler import build
+
+    monkeypatch.setattr(build, "ModelRunner", lambda args: ScriptedRunner(seed=args.random_seed))
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng():
+            seeds = [build.build_scheduler(ServerArgs(device="cpu", dtype="float32", attention_backend="torch",
+                                                      num_threads=threads, random_seed=5), replica=i)
+                     .runner.generator.initial_seed() for i in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert seeds == [5, 6, 7]

@@ -107,3 +107,35 @@ def test_sampled_tokens_keep_the_target_distribution(params, draft):
         assert abs(got[tok] / n - want[tok]) < 0.025, (tok, got, want)
         if want[tok] == 0.0:
             assert got[tok] == 0  # a token the filters drop never comes out, drafted or not
+
+
+def test_a_constrained_request_verifies_its_drafts_under_the_grammar_advanced_along_them():
+    """The plan carries one grammar mask per draft row; the scripted model favours other tokens, so a draft
+    is kept only where its row's mask is the grammar's state after the drafts before it."""
+    from scripted_runner import EOS, CharTokenizer, ScriptedRunner
+
+    from radixlang.runtime.io_struct import TokenizedGenerateReq
+    from radixlang.runtime.scheduler.scheduler import Scheduler
+
+    runner = ScriptedRunner()
+    sched = Scheduler(ServerArgs(device="cpu", dtype="float32", attention_backend="torch", num_threads=1,
+                                 speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+                                 disable_jump_forward=True), runner=runner)
+    tok = CharTokenizer()
+    sched.add_request(TokenizedGenerateReq(rid="r", input_ids=tok.encode("ababab"), sampling_params=SamplingParams
+                                           .from_dict({"temperature": 0, "regex": "(ab){6}", "max_new_tokens": 13})))
+    out: list[int] = []
+    for _ in range(50):
+        batch = sched.step()
+        out += [t for row in (batch.rows if batch else []) for t in row.output_ids]
+        if sched.is_idle():
+            break
+    assert tok.decode(out) == "ab" * 6 and out[-1] == EOS
+    drafted = [rp.choice for plan in runner.plans if plan.verify for rp in plan.reqs
+               if rp.choice is not None and rp.choice.drafts]
+    assert max(len(c.drafts) for c in drafted) > 1  # rows after a draft were checked
+    assert all(c.masks is not None and c.masks.shape[0] == len(c.drafts) + 1 for c in drafted)
+    # every draft is the grammar's one allowed token there: kept only if its row had the advanced mask
+    num_drafted = sum(len(c.drafts) for c in drafted)
+    assert sched.stats["spec_draft_tokens"] == sched.stats["spec_accepted_tokens"] == num_drafted
+    sched.check_memory_leak()

@@ -39,6 +39,35 @@ class Piece(NamedTuple):
     size: int
 
 
+class WeightLoader(Protocol):
+    """How a parameter takes a checkpoint tensor, set on the parameter as its ``weight_loader`` when it is
+    created (as nano-vllm does): ``tensor`` is the full checkpoint tensor, of which the loader keeps this
+    tensor-parallel rank's slice (models/parallel.py); ``shard`` the checkpoint piece of a fused parameter
+    (0, 1, 2 for q, k, v in qkv_proj), None for a tensor that fills the whole parameter."""
+
+    def __call__(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        ...
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+    """A replicated parameter's loader (norms, a router, any parameter that sets none): the whole tensor."""
+    if shard is not None:
+        raise ValueError(f"a parameter of one piece, {tuple(param.shape)}, was given checkpoint piece {shard}")
+    param.data.copy_(tensor)
+
+
+def set_weight_loader(param: nn.Parameter | None, loader: WeightLoader) -> None:
+    """Make ``loader`` the ``weight_loader`` of ``param`` (nothing for an absent parameter)."""
+    if param is not None:
+        param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    """The loader ``param`` was created with, else ``default_weight_loader``."""
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
+
+
 class OutputDelta(Protocol):
     """What a linear adds to its output after its own matmul: the LoRA adapters' deltas of a batch
     (runtime/lora/layer.py). Set on a linear as its ``lora``; None: nothing is added."""
@@ -68,7 +97,7 @@ class LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor, *, with_bias: bool = True) -> torch.Tensor:
         """x [..., in] -> [..., out], the bias added unless ``with_bias`` is False (a row-parallel layer adds
-        it after the ranks' sum; only this plain method serves those)."""
+        it after the ranks' sum; this plain method and a GGUF file's blocks serve those)."""
         return F.linear(x, layer.weight, layer.bias if with_bias else None)
 
     def kernel_weight(self, layer: Linear) -> KernelWeight | None:
@@ -97,6 +126,9 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None
         self.bias: nn.Parameter | None
         self.kernel: nn.Module | None = None  # the method's storage after loading (process_after_loading)
+        # its output columns per checkpoint piece, in shard order (q, k, v of a fused qkv_proj): one piece
+        # unless a fused column-parallel builder (models/parallel.py: column_linear) says otherwise
+        self.pieces: tuple[Piece, ...] = (Piece(0, out_features),)
         # the LoRA adapters' deltas on this linear (runtime/lora/layer.py), set once an adapter targets it
         self.lora: OutputDelta | None = None
         self.method.create_weights(self, bias=bias)
@@ -104,6 +136,22 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         return y if self.lora is None else self.lora.add(x, y)
+
+    def set_weight_loader(self, loader: WeightLoader) -> None:
+        """``loader`` takes the checkpoint tensors of this linear's weight and bias (models/parallel.py)."""
+        set_weight_loader(self.weight, loader)
+        set_weight_loader(self.bias, loader)
+
+    def rebind(self, method: LinearMethod) -> None:
+        """Before any tensor is read: serve this linear with ``method`` instead of the one it was built with
+        (a GGUF file's blocks, chosen from the file's header once the model's shapes are known: models/
+        gguf_quant.py). The float weight the first method created is dropped unwritten; a bias keeps its
+        parameter (its dtype and device), which the checkpoint still fills."""
+        bias = self.bias
+        self.method = method
+        method.create_weights(self, bias=bias is not None)
+        if bias is not None:
+            self.bias = bias
 
     def release_float_weights(self) -> None:
         """Drop the loaded float parameters once the method's own storage holds the weight (a tied head's

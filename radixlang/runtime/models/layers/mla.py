@@ -33,9 +33,9 @@ from torch import nn
 
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.rotary import Rotary, apply_rope, rope_parameters
-from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.linear import Linear, set_weight_loader
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
-from radixlang.runtime.models.parallel import RowParallelLinear, TPComm, split_evenly
+from radixlang.runtime.models.parallel import ColumnLoader, RowParallelLinear, TPComm, column_linear, split_evenly
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm keep their default eps, not rms_norm_eps
 
@@ -105,11 +105,13 @@ class MLAttention(nn.Module):
         q_rank = getattr(config, "q_lora_rank", None)
         self.q_a_proj = Linear(hidden, q_rank, bias=bias, method=methods.linear(hidden)) if q_rank else None
         self.q_a_layernorm = RMSNorm(q_rank, LATENT_NORM_EPS) if q_rank else None
-        self.q_b_proj = Linear(q_rank or hidden, heads * (self.nope + self.rope_dim),
-                               method=methods.linear(q_rank or hidden))
+        # the per-head projections: this rank's heads' rows (q_a / kv_a and their norms stay whole)
+        self.q_b_proj = column_linear(q_rank or hidden, [("q_b", heads * (self.nope + self.rope_dim))], tp,
+                                      methods.linear(q_rank or hidden))
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=bias, method=methods.linear(hidden))
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(heads, self.nope, self.v_dim, self.rank)
+        set_weight_loader(self.kv_b_proj.weight, ColumnLoader([("kv_b", heads * (self.nope + self.v_dim))], tp))
         self.o_proj = (Linear(heads * self.v_dim, hidden, bias=bias, method=methods.linear(heads * self.v_dim))
                        if tp is None else RowParallelLinear(total_heads * self.v_dim, hidden, tp=tp, bias=bias,
                                                             method=methods.row_parallel(heads * self.v_dim)))

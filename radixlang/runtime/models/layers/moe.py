@@ -120,9 +120,28 @@ class DenseSwiGLU(Protocol):
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class ExpertsMethod:
+    """How an ``Experts`` layer holds and runs its experts' weights, as a ``LinearMethod`` does for a linear
+    (layers/linear.py); this base is the float one: the stacked w13 / w2 parameters the checkpoint loads
+    into, run by ``Experts.float_forward``. A subclass (a GGUF file's expert blocks: models/gguf_experts.py)
+    creates its own storage instead and is bound before any tensor is read (``Experts.rebind``)."""
+
+    name = "float"
+
+    def create_weights(self, experts: Experts) -> None:
+        e, inter, hidden = experts.num_experts, experts.inter, experts.hidden
+        experts.register_parameter("w13", nn.Parameter(torch.empty(e, 2 * inter, hidden), requires_grad=False))
+        experts.register_parameter("w2", nn.Parameter(torch.empty(e, hidden, inter), requires_grad=False))
+
+    def apply(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden]; weights, ids [n, k] -> this rank's term of the experts' weighted sum, [n, hidden]."""
+        return experts.float_forward(x, weights, ids)
+
+
 class Experts(nn.Module):
-    """``num_experts`` gated MLPs: w13 [E, 2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter];
-    after ``pack_`` both are None and ``packed`` holds them (with a folded shared expert's parts)."""
+    """``num_experts`` gated MLPs held by ``method`` (the float one: w13 [E, 2 * inter, hidden], gate rows
+    then up rows, w2 [E, hidden, inter]); after ``pack_`` both are None and ``packed`` holds them (with a
+    folded shared expert's parts)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: Callable[[torch.Tensor], torch.Tensor],
                  *, act_is_silu: bool, tp: TPComm | None = None) -> None:
@@ -131,11 +150,22 @@ class Experts(nn.Module):
         if tp is not None:
             inter = split_evenly(inter, tp.size, "expert intermediate features")
         self.num_experts, self.hidden, self.inter, self.tp = num_experts, hidden, inter, tp
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w13: nn.Parameter | None
+        self.w2: nn.Parameter | None
+        self.method = ExpertsMethod()
+        self.method.create_weights(self)
         self.act, self.act_is_silu = act, act_is_silu
         self.packed: cpu_ops.PackedExperts | None = None  # pack_: the compiled kernel runs every expert
         self.num_shared = 0  # experts past num_experts in ``packed``: a shared expert folded in (pack_)
+
+    def rebind(self, method: ExpertsMethod) -> None:
+        """Before any tensor is read: hold and run the experts with ``method`` (its storage replaces the
+        float w13 / w2, dropped unwritten)."""
+        self.method = method
+        method.create_weights(self)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts, {self.hidden} -> {self.inter}, method={self.method.name}"
 
     def packable(self) -> bool:
         """Whether ``pack_`` applies: float32 SwiGLU experts on the CPU, not packed yet."""
@@ -175,6 +205,12 @@ class Experts(nn.Module):
                 reduce: bool = True) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [n, hidden]
         (summed over the tensor-parallel ranks; ``reduce=False``: this rank's term, the caller sums)."""
+        out = self.method.apply(self, x, weights, ids)
+        return out if self.tp is None or not reduce else self.tp.all_reduce(out)
+
+    def float_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The float method's term: the compiled kernel once packed, the grouped GEMMs on CUDA, else
+        ``dispatch``."""
         if self.packed is not None:
             out = cpu_ops.moe_experts(x.contiguous(), weights.float().contiguous(), ids.contiguous(), self.packed,
                                       check=False)
@@ -182,7 +218,7 @@ class Experts(nn.Module):
             out = self._forward_device(x, weights, ids)
         else:
             out = dispatch(x, weights, ids, self.num_experts, self._expert)
-        return out if self.tp is None or not reduce else self.tp.all_reduce(out)
+        return out
 
     def _forward_device(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The CUDA path: the Triton fused-MoE grouped GEMM (graph-safe: no host reads, shapes fixed by the
@@ -320,12 +356,6 @@ def _shared_parts(mlp: DenseSwiGLU, inter: int, hidden: int) -> tuple[torch.Tens
     return torch.cat([gate, up], 1), F.pad(down, (0, pad)).view(hidden, parts, inter).transpose(0, 1)
 
 
-def expert_param_name(name: str) -> str | None:
-    """The stacked parameter (…experts.w13 / …experts.w2) a checkpoint expert tensor loads into, or None."""
-    m = _EXPERT.match(name)
-    return None if m is None else f"{m['owner']}.{_PART[m['part']][0]}"
-
-
 def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str],
                        tp: TPComm | None = None) -> bool:
     """Copy one expert's checkpoint tensor (this rank's slice of it under ``tp``) into the stacked w13 / w2;
@@ -343,8 +373,6 @@ def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Par
     if e >= param.shape[0]:
         raise ValueError(f"unexpected weight {name!r}: the model has {param.shape[0]} experts")
     seen.add(f"{pname}:{e}:{m['part']}")
-    if tensor.is_meta:  # a deferred parameter (a quantized GGUF's experts): its module is replaced unloaded
-        return True
     if half is None:
         param.data[e].copy_(tensor)
     else:

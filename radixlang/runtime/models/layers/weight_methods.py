@@ -9,11 +9,14 @@ the loaded float weight by the kernels they run:
 - ``Int4Method``: ``--quantization int4``, 4-bit codes per group of 32 run by the GGUF Q4_1 kernels.
 
 ``WeightMethods`` is chosen once per start (``choose``, from the server's options) and passed into the
-family constructors, which ask it for every linear's method before any tensor is read.
+family constructors, which ask it for every linear's method before any tensor is read. A quantized GGUF's
+block linears (``--quantization gguf``: ``gguf_blocks``) get theirs from the file's header instead, once
+the model is built and before any tensor is read (models/gguf_quant.py: ``GGUFBlocksMethod``, bound by the
+loader).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -118,7 +121,7 @@ class Int4Method(LinearMethod):
     def kernel_weight(self, layer: Linear) -> KernelWeight | None:
         if layer.kernel is None:
             return None
-        return layer.kernel.kernel_weight()  # type: ignore[operator]  # a gguf_quant.QuantLinear
+        return layer.kernel.kernel_weight()  # type: ignore[operator]  # a gguf_blocks.QuantLinear
 
     def float32_weight(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return None
@@ -135,16 +138,26 @@ _FORMATS: dict[str, tuple[Callable[[bool], LinearMethod], int]] = {
 }
 
 
+class GGUFBlocks(NamedTuple):
+    """``--quantization gguf``: a GGUF checkpoint's linears, experts and logits stored in native block types
+    are served from those blocks (models/gguf_quant.py); ``prefill_budget``: the bytes their float32
+    prefill copies may take, asked once the model is loaded (None: no copies)."""
+    prefill_budget: Callable[[], int] | None = None
+
+
 class WeightMethods:
     """Which method each linear of one model gets. ``format``: one of ``_FORMATS``; ``keep_plain``: packed
     float32 linears keep their row-major weight too (the C kernel's); ``tied_head``: tied embeddings get a
-    logits projection of the format's own (False: the logits read the embedding table)."""
+    logits projection of the format's own (False: the logits read the embedding table); ``gguf_blocks``:
+    the linears a GGUF file stores in block types take the GGUF blocks method instead (the others ``format``)."""
 
-    def __init__(self, format: str = "plain", *, keep_plain: bool = False, tied_head: bool = False) -> None:
+    def __init__(self, format: str = "plain", *, keep_plain: bool = False, tied_head: bool = False,
+                 gguf_blocks: GGUFBlocks | None = None) -> None:
         if format not in _FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(_FORMATS)}, got {format!r}")
         self.format, self.keep_plain = format, keep_plain
         self.tied_head = tied_head and format != "plain"
+        self.gguf_blocks = gguf_blocks
 
     def linear(self, in_features: int) -> LinearMethod:
         """The method of a linear over ``in_features`` inputs, kept whole on this rank."""
@@ -166,18 +179,20 @@ class WeightMethods:
 
     @classmethod
     def choose(cls, *, quantization: str | None, device: str, dtype: torch.dtype, weight_packing: bool,
-               cpu_kernels: bool, native_logits: bool = False) -> WeightMethods:
-        """The float linears' methods for a start: int8 / int4 as asked; else (no quantization, or a
-        quantized GGUF whose block linears gguf_quant.py serves) packed on a CPU that can pack ``dtype``
+               cpu_kernels: bool, native_logits: bool = False,
+               prefill_budget: Callable[[], int] | None = None) -> WeightMethods:
+        """The linears' methods for a start: int8 / int4 as asked; else (no quantization, or a quantized
+        GGUF, whose block linears take the GGUF blocks method) packed on a CPU that can pack ``dtype``
         unless ``weight_packing`` is off, else plain. ``native_logits``: the GGUF's logits are served from
-        its blocks, so tied embeddings get no packed copy."""
+        its blocks, so tied embeddings get no packed copy; ``prefill_budget``: GGUFBlocks'."""
         if quantization in ("int8", "int4", "gguf") and device != "cpu":
             raise ValueError(f"quantization {quantization!r} is implemented for the CPU only, got device {device!r}")
         if quantization in ("int8", "int4"):
             return cls(quantization, tied_head=True)
+        blocks = GGUFBlocks(prefill_budget) if quantization == "gguf" else None
         if device == "cpu" and weight_packing and packed.packing_available(dtype):
-            return cls("packed", keep_plain=cpu_kernels, tied_head=not native_logits)
-        return cls("plain")
+            return cls("packed", keep_plain=cpu_kernels, tied_head=not native_logits, gguf_blocks=blocks)
+        return cls("plain", gguf_blocks=blocks)
 
 
 PLAIN = WeightMethods()  # immutable: a model built without options (tests, random-weight shapes)

@@ -265,12 +265,13 @@ def _gpt_oss_piece(t: Any, name: str, by_name: dict[str, Any]) -> _Piece | None:
     return _Piece(name, joined, load)
 
 
-def _pieces(gguf_file: GGUFFile) -> list[_Piece]:
+def _pieces(gguf_file: GGUFFile, raw: set[str]) -> list[_Piece]:
+    """The float pieces of every tensor but the config's and those in ``raw`` (streamed as blocks)."""
     lay = _layout(gguf_file.fields)
     by_name = {t.name: t for t in gguf_file.tensors}
     pieces = []
     for t in gguf_file.tensors:
-        if t.name in CONFIG_TENSORS:
+        if t.name in CONFIG_TENSORS or t.name in raw:
             continue
         name = hf_tensor_name(t.name, lay.arch, lay.n_experts)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
@@ -302,13 +303,24 @@ def _pair(by_name: dict[str, Any], layer: str) -> Any:
     return v_b
 
 
-def gguf_weights(gguf_file: GGUFFile, *, skip: Callable[[str], bool] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+class RawRoutes(NamedTuple):
+    """Where a GGUF file's tensors go raw (a quantized model's block weights: models/gguf_quant.py):
+    ``loaders`` {tensor name: the weight loaders its raw blocks are streamed into}; ``dequantized_too``: of
+    those, the ones the float model loads as well (a tied head's embedding table, also the lookups')."""
+    loaders: dict[str, list[Callable[[TensorInfo], None]]]
+    dequantized_too: frozenset[str] = frozenset()
+
+
+def gguf_weights(gguf_file: GGUFFile, *, routes: RawRoutes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight of a GGUF file (its header read by ``read_gguf``), read
-    one at a time: only the tensor being copied is ever dequantized in memory. Names ``skip`` accepts
-    (parameters a quantized model replaces without loading) come as meta tensors of their shape, never read."""
-    for piece in _pieces(gguf_file):
-        if skip is not None and skip(piece.name):
-            yield piece.name, torch.empty(piece.shape, device="meta")
-        else:
-            yield piece.name, torch.from_numpy(piece.load())
+    one at a time: only the tensor being copied is ever dequantized in memory. A tensor ``routes`` names is
+    streamed raw into its loaders instead (first, in the file's order), and dequantized too only where
+    ``routes.dequantized_too`` says so."""
+    raw: set[str] = set()
+    if routes is not None:
+        for t in gguf_file.tensors:
+            for load in routes.loaders.get(t.name, ()):
+                load(t)
+        raw = set(routes.loaders) - routes.dequantized_too
+    for piece in _pieces(gguf_file, raw):
+        yield piece.name, torch.from_numpy(piece.load())

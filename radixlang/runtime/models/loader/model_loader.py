@@ -8,7 +8,8 @@ folder of its config and tokenizer (gguf_convert.py).
 
 A start opens its checkpoint once (``open_checkpoint``): a GGUF file's header is parsed there, and that
 one ``GGUFFile`` (a memory map of the file) serves the config folder's conversion when it is not cached
-yet, the quantized linears' plan and blocks (gguf_quant.py) and the tensor stream."""
+yet, the choice of the block linears' methods from its header (gguf_quant.py) and the tensor stream,
+each tensor read once: raw blocks into a block weight's loader, or dequantized into a float parameter."""
 from __future__ import annotations
 
 import glob
@@ -16,7 +17,7 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -25,7 +26,8 @@ from torch import nn
 from radixlang.runtime.models.loader.gguf_convert import ensure_converted, gguf_of_folder
 from radixlang.runtime.models.loader.gguf_file import GGUFFile, read_gguf
 from radixlang.runtime.models.loader.gguf_weights import gguf_weights
-from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors, expert_param_name
+from radixlang.runtime.models.gguf_quant import bind_gguf_blocks_
+from radixlang.runtime.models.layers.moe import expert_checkpoint_tensors
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.llama import LlamaForCausalLM, unfused_pieces
 from radixlang.runtime.models.parallel import TPComm
@@ -156,12 +158,12 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
                     dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                     tokenizer_path: str | None = None, tp: TPComm | None = None,
                     methods: WeightMethods = PLAIN,
-                    deferred: Callable[[nn.Module], set[str]] | None = None,
                     embedding: bool | None = None) -> LoadedModel:
     """``load_model`` of a checkpoint already opened, its linears built with ``methods`` (processed by the
-    caller: layers/linear.process_weights_after_loading). ``deferred(model)`` names parameters to leave
-    unloaded (on the meta device), because the caller replaces their modules right after (a quantized
-    GGUF's linears).
+    caller: layers/linear.process_weights_after_loading). Where ``methods.gguf_blocks`` is set and the
+    checkpoint is a GGUF file, the linears and experts its header says are stored in native block types
+    get the GGUF blocks methods before any tensor is read (models/gguf_quant.bind_gguf_blocks_), and those
+    tensors' raw blocks are streamed into their loaders.
 
     A checkpoint without ``lm_head.weight`` whose embeddings are untied (an e5-mistral style embedding
     model: a base model saved without its head) loads headless for an embedding server (``embedding``
@@ -187,42 +189,17 @@ def load_checkpoint(checkpoint: Checkpoint, *, model_path: str | None, load_form
             raise ValueError(f"{folder} has no lm_head.weight, and {cls.__name__} cannot load without one")
         logger.info("%s has no lm_head.weight: loaded without an LM head, for embeddings", folder)
         model.drop_lm_head()
-    if deferred is not None:
-        model.deferred_params = frozenset(deferred(model))
     if load_format == "dummy":
         model.load_weights(random_weights(config, seed))
     elif checkpoint.gguf is not None:
-        model.load_weights(gguf_weights(checkpoint.gguf,
-                                        skip=_deferred_filter(model.deferred_params, model.checkpoint_name)))
-    else:  # safetensors are memory-mapped: a deferred parameter's tensor costs nothing until copied
+        routes = (bind_gguf_blocks_(model, checkpoint.gguf, prefill_budget=methods.gguf_blocks.prefill_budget)
+                  if methods.gguf_blocks is not None else None)
+        model.load_weights(gguf_weights(checkpoint.gguf, routes=routes))
+    else:
         model.load_weights(_iter_safetensors(checkpoint_files(folder)))
     tok_dir = tokenizer_path or folder
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     return LoadedModel(model, config, tokenizer, model_path or folder, tok_dir, folder)
-
-
-# checkpoint pieces that load into one fused parameter (as LlamaForCausalLM.load_weights fuses them)
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-          "up_proj": "gate_up_proj"}
-
-
-def _deferred_filter(deferred: frozenset[str], checkpoint_name: Callable[[str], str]) -> Callable[[str], bool] | None:
-    """Whether a checkpoint tensor only feeds a deferred parameter (one the caller replaces unloaded);
-    ``checkpoint_name``: the model's renaming of checkpoint names to its own."""
-    if not deferred:
-        return None
-
-    def skip(name: str) -> bool:
-        own = checkpoint_name(name.removeprefix("model."))
-        stacked = expert_param_name(own)
-        if stacked is not None:
-            return stacked in deferred
-        parts = own.split(".")
-        if len(parts) >= 2:
-            parts[-2] = _FUSED.get(parts[-2], parts[-2])
-        return ".".join(parts) in deferred
-
-    return skip
 
 
 def lacks_lm_head(config: Any, folder: str) -> bool:
