@@ -66,6 +66,11 @@ CALIBRATE_MIN_BYTES = 64 << 20
 CALIBRATE_MARGIN = 0.85
 
 
+# PackedLinear.warm_up compiles the row counts up to this at load (decode steps); the larger ones compile on
+# their first prefill, which costs less than running them all at every start (docs/cpu.md, "Packed weights")
+WARM_ROWS = 16
+
+
 def bucket_rows(m: int) -> int:
     """The row count a slice of m <= CHUNK_ROWS rows runs at: m itself up to EXACT_ROWS, then rounded
     up to a multiple of 2^(bit_length(m) - 4)."""
@@ -168,9 +173,11 @@ class PackedLinear(nn.Module):
         return y if rows == m else y[:m]
 
     def warm_up(self) -> None:
-        """Run every row count once, so that oneDNN compiles this weight shape's kernels now."""
+        """Run the decode-sized row counts (up to WARM_ROWS) once, so that oneDNN compiles this weight shape's
+        kernels for them now. Larger row counts compile on their first prefill: a few milliseconds there,
+        where running all of them here cost seconds of every start."""
         with torch.inference_mode():
-            for rows in row_counts():
+            for rows in (m for m in row_counts() if m <= WARM_ROWS):
                 self._matmul(torch.zeros(rows, self.in_features, dtype=self.dtype))
 
     def extra_repr(self) -> str:
