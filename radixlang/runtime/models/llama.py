@@ -24,7 +24,7 @@ from radixlang.kernels import cpu as cpu_ops
 from radixlang.runtime.models import packed
 from radixlang.runtime.models.layers.attention_config import layer_sliding_window
 from radixlang.runtime.models.layers.linear import Linear, Piece, set_weight_loader, weight_loader_of
-from radixlang.runtime.models.layers.moe import Experts, MoEBlock, load_expert_weight
+from radixlang.runtime.models.layers.moe import Experts, MoEBlock, expert_checkpoint_param
 from radixlang.runtime.models.layers.norm import RMSNorm
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.layers.rotary import (Rotary, apply_rope, partial_rotary_factor,
@@ -382,11 +382,9 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             tensor = self.checkpoint_tensor(name, tensor)
-            if load_expert_weight(name, tensor, params, seen, self.tp):
-                continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            pname, shard = _checkpoint_param(name)
+            pname, shard = expert_checkpoint_param(name) or _checkpoint_param(name)
             if pname not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             param = params[pname]

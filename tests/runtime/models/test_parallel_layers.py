@@ -196,3 +196,27 @@ def test_sharded_deepseek_matches_single_rank(tmp_path, name):
         return _run_ours(model, ids, decode_last=True)
     for got in _on_ranks(2, rank):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_stack_loaders_take_each_experts_rank_slice():
+    """At tp 2 a float expert stack takes expert e's gate and up (pieces 2e, 2e + 1 of w13) as its rank's
+    rows of each, and its down (piece e of w2) as its rank's columns; an expert past the stack is refused."""
+    from radixlang.runtime.models.layers.moe import Experts, expert_checkpoint_param
+    gen = torch.Generator().manual_seed(0)
+    n, hidden, inter = 3, 4, 6
+    gate, up = torch.randn(n, inter, hidden, generator=gen), torch.randn(n, inter, hidden, generator=gen)
+    down = torch.randn(n, hidden, inter, generator=gen)
+    assert expert_checkpoint_param("layers.0.mlp.experts.2.up_proj.weight") == ("layers.0.mlp.experts.w13", 5)
+    assert expert_checkpoint_param("layers.0.mlp.experts.2.w2.weight") == ("layers.0.mlp.experts.w2", 2)
+    assert expert_checkpoint_param("layers.0.mlp.gate_proj.weight") is None
+    for r in range(2):
+        experts = Experts(n, hidden, inter, torch.nn.functional.silu, act_is_silu=True, tp=_Rank(r, 2))
+        for e in range(n):
+            _load(experts.w13, gate[e], 2 * e)
+            _load(experts.w13, up[e], 2 * e + 1)
+            _load(experts.w2, down[e], e)
+        rows = slice(3 * r, 3 * r + 3)
+        assert torch.equal(experts.w13, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(experts.w2, down[:, :, rows])
+        with pytest.raises(ValueError, match="the model has 3 experts"):
+            _load(experts.w2, down[0], 3)

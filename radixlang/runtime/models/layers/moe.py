@@ -30,7 +30,7 @@ from torch import nn
 
 from radixlang.kernels import cpu as cpu_ops
 from radixlang.kernels import fused_moe
-from radixlang.runtime.models.layers.linear import Linear
+from radixlang.runtime.models.layers.linear import Linear, set_weight_loader
 from radixlang.runtime.models.layers.weight_methods import PLAIN, WeightMethods
 from radixlang.runtime.models.parallel import TPComm, shard_tensor, split_evenly
 
@@ -132,6 +132,8 @@ class ExpertsMethod:
         e, inter, hidden = experts.num_experts, experts.inter, experts.hidden
         experts.register_parameter("w13", nn.Parameter(torch.empty(e, 2 * inter, hidden), requires_grad=False))
         experts.register_parameter("w2", nn.Parameter(torch.empty(e, hidden, inter), requires_grad=False))
+        set_weight_loader(experts.w13, ExpertLoader(experts.tp, gate_up=True))
+        set_weight_loader(experts.w2, ExpertLoader(experts.tp, gate_up=False))
 
     def apply(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden]; weights, ids [n, k] -> this rank's term of the experts' weighted sum, [n, hidden]."""
@@ -356,29 +358,36 @@ def _shared_parts(mlp: DenseSwiGLU, inter: int, hidden: int) -> tuple[torch.Tens
     return torch.cat([gate, up], 1), F.pad(down, (0, pad)).view(hidden, parts, inter).transpose(0, 1)
 
 
-def load_expert_weight(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], seen: set[str],
-                       tp: TPComm | None = None) -> bool:
-    """Copy one expert's checkpoint tensor (this rank's slice of it under ``tp``) into the stacked w13 / w2;
-    False when ``name`` is no expert tensor."""
+def expert_checkpoint_param(name: str) -> tuple[str, int] | None:
+    """The stacked parameter an expert's checkpoint tensor loads into and its piece there (ExpertLoader):
+    ``layers.0.mlp.experts.3.up_proj.weight`` -> (``layers.0.mlp.experts.w13``, 7); None for any other name."""
     m = _EXPERT.match(name)
     if m is None:
-        return False
+        return None
     target, half = _PART[m["part"]]
-    if tp is not None:  # gate / up [inter, hidden]: this rank's rows; down [hidden, inter]: its columns
-        tensor = shard_tensor(tensor, tp.rank, tp.size, dim=0 if half is not None else 1)
-    pname = f"{m['owner']}.{target}"
-    if pname not in params:
-        raise ValueError(f"unexpected weight {name!r}")
-    param, e = params[pname], int(m["expert"])
-    if e >= param.shape[0]:
-        raise ValueError(f"unexpected weight {name!r}: the model has {param.shape[0]} experts")
-    seen.add(f"{pname}:{e}:{m['part']}")
-    if half is None:
-        param.data[e].copy_(tensor)
-    else:
-        inter = param.shape[1] // 2
-        param.data[e, half * inter:(half + 1) * inter].copy_(tensor)
-    return True
+    e = int(m["expert"])
+    return f"{m['owner']}.{target}", e if half is None else 2 * e + half
+
+
+class ExpertLoader:
+    """The ``weight_loader`` of a float expert stack (layers/linear.py's WeightLoader): w13 [E, 2 * inter,
+    hidden] takes piece 2e (expert e's gate) and 2e + 1 (its up), each this rank's rows under tp; w2
+    [E, hidden, inter] takes piece e (expert e's down), this rank's columns."""
+
+    def __init__(self, tp: TPComm | None, *, gate_up: bool) -> None:
+        self.tp, self.gate_up = tp, gate_up
+
+    def __call__(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if shard is None:
+            raise ValueError(f"an expert stack {tuple(param.shape)} takes one expert's tensor at a time, "
+                             f"given no expert")
+        if self.tp is not None:
+            tensor = shard_tensor(tensor, self.tp.rank, self.tp.size, dim=0 if self.gate_up else 1)
+        e, half = divmod(shard, 2) if self.gate_up else (shard, 0)
+        if e >= param.shape[0]:
+            raise ValueError(f"a checkpoint tensor of expert {e}: the model has {param.shape[0]} experts")
+        rows = param.shape[1] // 2 if self.gate_up else param.shape[1]
+        param.data[e, half * rows:(half + 1) * rows].copy_(tensor)
 
 
 def expert_checkpoint_tensors(name: str, t: torch.Tensor, parts: tuple[str, str, str]):
