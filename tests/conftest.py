@@ -54,6 +54,15 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """One live server of the tiny model served as "tiny", shared by the HTTP test files that need nothing
+    else of it (test_openai_api, test_responses_api, test_server_fuzz): one start instead of three."""
+    from live_server import live_server
+    with live_server(tiny_model_dir, served_model_name="tiny") as url:  # the model name the tests send
+        yield url
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir):
     from radixlang import Engine
     engine = Engine(model_path=tiny_model_dir, load_format="dummy", max_total_tokens=8192)

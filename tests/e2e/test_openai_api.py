@@ -6,16 +6,14 @@ import json
 import httpx
 import pytest
 
-from tests.live_server import live_server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with live_server(tiny_model_dir, served_model_name="tiny") as url:  # the model name the tests send
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from live_server import live_server
 from pydantic import BaseModel, Field
 
 from radixlang import Engine
@@ -34,9 +33,8 @@ SKY = {"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}, "n"
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir):
-    with live_server(tiny_model_dir) as base:
-        yield base
+def url(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

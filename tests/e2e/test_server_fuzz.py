@@ -5,15 +5,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.live_server import live_server
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with live_server(tiny_model_dir, served_model_name="tiny") as url:  # the model name the tests send
-        yield url
+def server(tiny_server):
+    return tiny_server
 
 # small numbers only, so a valid body never asks for a long generation
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 8), st.floats(-3, 3),

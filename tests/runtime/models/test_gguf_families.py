@@ -17,6 +17,7 @@ from radixlang.runtime.models.loader.model_loader import default_model_path, loa
 from test_model_families import PROMPTS, _hf_logprobs
 from test_models import _run_ours
 from tiny_model import FAMILIES, private_cache, save_tiny_hf_model
+from tokenizer_sources import add_gguf_tokenizer
 
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -559,8 +560,11 @@ def test_gguf_sampling_metadata_becomes_the_models_defaults(tmp_path, monkeypatc
     monkeypatch.setenv("RADIXLANG_CACHE", str(tmp_path / "cache"))
     folder = save_tiny_hf_model(str(tmp_path / "hf"), "LlamaForCausalLM", seed=1)
 
+    def small_tokenizer(w) -> None:  # any tokenizer does: a small one converts in a fraction of SmolLM2's time
+        add_gguf_tokenizer(w, "bpe", add_bos=False)
+
     def tokenizer_and_sampling(w) -> None:
-        add_smollm_tokenizer(w)
+        small_tokenizer(w)
         w.add_float32("general.sampling.temp", 0.6)
         w.add_float32("general.sampling.top_p", 0.9)
         w.add_int32("general.sampling.top_k", 40)
@@ -572,5 +576,5 @@ def test_gguf_sampling_metadata_becomes_the_models_defaults(tmp_path, monkeypatc
     assert got == pytest.approx({"temperature": 0.6, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1})
     assert isinstance(got["top_k"], int)
     plain = str(tmp_path / "plain.gguf")
-    _write_gguf(folder, plain, "llama")
+    _write_gguf(folder, plain, "llama", tokenizer=small_tokenizer)
     assert sampling_defaults("auto", ensure_converted(plain)) == {}
