@@ -139,13 +139,7 @@ class LlamaServer:
         raise TimeoutError(f"llama-server did not become ready within {timeout:.0f} s; see {self._log.name}")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self._log.close()
 
     def __enter__(self) -> LlamaServer:
@@ -175,6 +169,17 @@ def _cpu_has_amx() -> bool:
             return any(line.startswith("flags") and " amx_tile" in line for line in f)
     except OSError:
         return False
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM ``proc`` (by its PID), SIGKILL it if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _free_port() -> int:

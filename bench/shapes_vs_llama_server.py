@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -38,23 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from bench import soak
 from bench.common import read_bandwidth_gbs, threads, write_result
+from bench.llama_server import _free_port, stop
+from bench.vs_llama_server import _post
 
 PROMPT_LENS = (512, 2048, 8192)
 CONCURRENT = (32, 256, 128)  # requests, prompt tokens, new tokens
 TOKEN_RANGE = (300, 49000)  # ids SmolLM2's vocabulary spells (the shapes' padding lies above)
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.loads(r.read())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -97,26 +87,10 @@ class Server:
 
     def peak_rss_mb(self) -> float:
         """The sum of each process's peak RSS (VmHWM) over the server's process tree."""
-        pids, total = [self.proc.pid], 0
-        while pids:
-            pid = pids.pop()
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-                with open(f"/proc/{pid}/task/{pid}/children") as f:
-                    pids += [int(p) for p in f.read().split()]
-            except (OSError, StopIteration):
-                continue
-        return total / 1024
+        return soak.rss_mb(self.proc.pid, "VmHWM") or 0.0
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 def start_llama_server(path: Path, n_threads: int) -> Server:

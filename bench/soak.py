@@ -97,8 +97,9 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def rss_mb(pid: int) -> float | None:
-    """VmRSS of pid and all its descendants (the server may run as several processes), in MiB."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """VmRSS of pid and all its descendants (the server may run as several processes), in MiB; ``field``
+    another line of /proc/<pid>/status (VmHWM: each process's peak, summed)."""
     total_kb, seen, todo = 0, set(), [pid]
     while todo:
         p = todo.pop()
@@ -107,7 +108,7 @@ def rss_mb(pid: int) -> float | None:
         seen.add(p)
         try:
             with open(f"/proc/{p}/status") as f:
-                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                total_kb += next((int(line.split()[1]) for line in f if line.startswith(field + ":")), 0)
         except OSError:
             if p == pid:
                 return None
